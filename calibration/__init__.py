@@ -1,0 +1,1 @@
+"""Microbenchmarks and collectives that calibrate the performance model (needs torch)."""

@@ -1,0 +1,1 @@
+"""The `mosaic` command line."""

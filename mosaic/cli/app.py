@@ -1,0 +1,50 @@
+"""The `mosaic` command line (Typer + rich).
+
+Each command lives in its own module under mosaic/cli and is registered here;
+modules import heavy dependencies (torch, pyomo) inside the command only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from mosaic import __version__
+from mosaic.cli import clusters as clusters_cmd
+from mosaic.cli.common import set_debug
+
+app = typer.Typer(
+    name="mosaic",
+    help="MOSAIC: choose a sparse MoE model and the way to run it, together, for your cluster.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mosaic {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True, help="Print the version."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+) -> None:
+    """Systems-aware planner for sparse Mixture-of-Experts training."""
+    set_debug(debug)
+
+
+app.command("clusters")(clusters_cmd.clusters)
+app.command("show-cluster")(clusters_cmd.show_cluster)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Shared CLI plumbing: the error convention, console, JSON output.
+
+Bad input prints one line ``error: ...`` to stderr and exits 2; an
+infeasible request exits 1; ``mosaic --debug ...`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import traceback
+from typing import Any, Callable, TypeVar
+
+import typer
+from rich.console import Console
+
+from perfmodel.errors import MosaicError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+console = Console()
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+
+def set_debug(enabled: bool) -> None:
+    _state["debug"] = enabled
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print the one-line error and exit with `code`."""
+    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def cli_errors(func: F) -> F:
+    """Turn MosaicError (and its exit code) into the CLI's one-line error."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except MosaicError as exc:
+            if _state["debug"]:
+                traceback.print_exc()
+            fail(str(exc), exc.exit_code)
+        except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
+            if _state["debug"]:
+                traceback.print_exc()
+            fail(f"{exc.filename}: {exc.strerror}", 2)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def print_json(payload: Any) -> None:
+    """One JSON object on stdout (numpy scalars converted)."""
+
+    def default(obj: Any) -> Any:
+        if hasattr(obj, "item"):
+            return obj.item()
+        if hasattr(obj, "tolist"):
+            return obj.tolist()
+        raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+    sys.stdout.write(json.dumps(payload, default=default, allow_nan=False) + "\n")

@@ -1,0 +1,266 @@
+"""The model geometry (`MoEArchitecture`) and its derived quantities.
+
+Every derived quantity is one pure function of an object with the
+architecture's attributes. The functions use numpy arithmetic only, so the
+same function serves a single `MoEArchitecture` (floats out) and an
+`ArchBatch` of numpy arrays (arrays out): the vectorised performance model and
+the planner call exactly these formulas.
+
+Parameter counting (no biases, as in Llama/Mixtral/DeepSeek):
+  attention   h*(h_q + 2*h_kv) + h_q*h      h_q = n_heads*head_dim, h_kv = n_kv_heads*head_dim
+  FFN matrix  (3 if gated else 2) * h * width
+  router      h * E
+  norms       2*h per layer + h final
+  embeddings  V*h input, + V*h LM head unless tied
+Multi-head latent attention (DeepSeek-V2/V3) is not modelled; describe it by
+the GQA geometry with the same projection parameter count (see tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from perfmodel.specs.strict import check
+
+ARCH_FIELDS = (
+    "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "seq_len",
+    "n_experts", "top_k", "n_shared_experts", "d_expert", "d_ff_dense", "n_dense_layers",
+    "ffn_ratio", "gated_ffn", "tie_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class MoEArchitecture:
+    """A decoder-only transformer with optional routed-expert FFN layers."""
+
+    n_layers: int
+    """L: transformer blocks."""
+    d_model: int
+    """h: residual width."""
+    n_heads: int
+    """Query heads."""
+    n_kv_heads: int
+    """Key/value heads (GQA); equal to n_heads for MHA."""
+    head_dim: int
+    """Width of one head."""
+    vocab_size: int
+    """V: vocabulary size."""
+    seq_len: int
+    """s: training sequence length."""
+    n_experts: int = 0
+    """E: routed experts per MoE layer; 0 for a dense model."""
+    top_k: int = 0
+    """k: routed experts per token (0 for a dense model)."""
+    n_shared_experts: int = 0
+    """E_s: always-active experts of width d_expert."""
+    d_expert: int = 0
+    """Hidden width of one expert (0 for a dense model)."""
+    d_ff_dense: int = 0
+    """Hidden width of the dense FFN used by dense layers (and all layers when n_experts = 0)."""
+    n_dense_layers: int = 0
+    """Leading layers with a dense FFN instead of MoE (DeepSeek's first_k_dense)."""
+    ffn_ratio: float = 4.0
+    """d_ff_ref = ffn_ratio * d_model; granularity G = d_ff_ref / d_expert."""
+    gated_ffn: bool = True
+    """SwiGLU-style FFN (3 matrices) instead of a plain 2-matrix MLP."""
+    tie_embeddings: bool = False
+    """LM head shares the input embedding matrix."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "seq_len"):
+            check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}", "give a positive integer")
+        for name in ("n_experts", "top_k", "n_shared_experts", "d_expert", "d_ff_dense", "n_dense_layers"):
+            check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}", "give 0 or a positive integer")
+        check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+              f"{self.n_kv_heads} does not divide n_heads={self.n_heads}", "use a divisor of n_heads")
+        check(self.ffn_ratio > 0, "ffn_ratio", f"must be > 0, got {self.ffn_ratio}", "use e.g. 4.0 (or 8/3 for SwiGLU)")
+        check(self.n_dense_layers <= self.n_layers, "n_dense_layers",
+              f"{self.n_dense_layers} exceeds n_layers={self.n_layers}", "use at most n_layers")
+        if self.n_experts == 0:
+            check(self.d_ff_dense >= 1, "d_ff_dense", "a dense model (n_experts: 0) needs d_ff_dense >= 1",
+                  "set d_ff_dense to the FFN width")
+            check(self.top_k == 0 and self.n_shared_experts == 0, "top_k",
+                  "a dense model (n_experts: 0) cannot route", "set top_k: 0 and n_shared_experts: 0")
+        else:
+            check(1 <= self.top_k <= self.n_experts, "top_k",
+                  f"{self.top_k} must be in [1, n_experts={self.n_experts}]", "pick top_k between 1 and n_experts")
+            check(self.d_expert >= 1, "d_expert", "an MoE model needs d_expert >= 1", "set d_expert to the expert width")
+            if self.n_dense_layers > 0:
+                check(self.d_ff_dense >= 1, "d_ff_dense", "n_dense_layers > 0 needs d_ff_dense >= 1",
+                      "set d_ff_dense to the dense FFN width")
+
+    # Convenience methods: the pure functions below are the definitions.
+    def total_params(self, embeddings: bool = False) -> float:
+        return float(total_params(self, embeddings))
+
+    def active_params(self, embeddings: bool = False) -> float:
+        return float(active_params(self, embeddings))
+
+    @property
+    def sparsity(self) -> float:
+        return float(sparsity(self))
+
+    @property
+    def granularity(self) -> float:
+        return float(granularity(self))
+
+    @property
+    def model_flops_per_token(self) -> float:
+        return float(model_flops_per_token(self))
+
+    def replace(self, **changes: Any) -> "MoEArchitecture":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ArchBatch:
+    """Column-wise numpy arrays of many architectures (same attribute names)."""
+
+    n_layers: np.ndarray
+    d_model: np.ndarray
+    n_heads: np.ndarray
+    n_kv_heads: np.ndarray
+    head_dim: np.ndarray
+    vocab_size: np.ndarray
+    seq_len: np.ndarray
+    n_experts: np.ndarray
+    top_k: np.ndarray
+    n_shared_experts: np.ndarray
+    d_expert: np.ndarray
+    d_ff_dense: np.ndarray
+    n_dense_layers: np.ndarray
+    ffn_ratio: np.ndarray
+    gated_ffn: np.ndarray
+    tie_embeddings: np.ndarray
+
+    @staticmethod
+    def stack(archs: Sequence[MoEArchitecture]) -> "ArchBatch":
+        cols = {}
+        for name in ARCH_FIELDS:
+            values = [getattr(a, name) for a in archs]
+            dtype = bool if name in ("gated_ffn", "tie_embeddings") else (float if name == "ffn_ratio" else np.int64)
+            cols[name] = np.asarray(values, dtype=dtype)
+        return ArchBatch(**cols)
+
+    def __len__(self) -> int:
+        return int(np.size(self.n_layers))
+
+    def row(self, i: int) -> MoEArchitecture:
+        values = {name: getattr(self, name)[i].item() for name in ARCH_FIELDS}
+        return MoEArchitecture(**values)
+
+    def take(self, index: Any) -> "ArchBatch":
+        return ArchBatch(**{name: np.asarray(getattr(self, name))[index] for name in ARCH_FIELDS})
+
+
+# ---------------------------------------------------------------------------
+# Derived quantities: pure functions over MoEArchitecture or ArchBatch.
+
+def ffn_matrices(arch: Any) -> Any:
+    """Weight matrices per FFN: 3 for gated (SwiGLU), 2 for a plain MLP."""
+    return np.where(arch.gated_ffn, 3, 2)
+
+
+def n_moe_layers(arch: Any) -> Any:
+    """Layers whose FFN is routed (0 for a dense model)."""
+    return np.where(np.asarray(arch.n_experts) > 0, np.asarray(arch.n_layers) - arch.n_dense_layers, 0)
+
+
+def n_ffn_dense_layers(arch: Any) -> Any:
+    """Layers whose FFN is the dense d_ff_dense MLP."""
+    return np.asarray(arch.n_layers) - n_moe_layers(arch)
+
+
+def attention_params_per_layer(arch: Any) -> Any:
+    """QKV + output projections: h*(h_q + 2*h_kv) + h_q*h."""
+    h_q = np.asarray(arch.n_heads) * arch.head_dim
+    h_kv = np.asarray(arch.n_kv_heads) * arch.head_dim
+    return np.asarray(arch.d_model) * (h_q + 2 * h_kv) + h_q * arch.d_model
+
+
+def expert_params(arch: Any) -> Any:
+    """Parameters of one expert (routed or shared): (2|3) * h * d_expert."""
+    return ffn_matrices(arch) * np.asarray(arch.d_model) * arch.d_expert
+
+
+def dense_ffn_params(arch: Any) -> Any:
+    """Parameters of one dense FFN: (2|3) * h * d_ff_dense."""
+    return ffn_matrices(arch) * np.asarray(arch.d_model) * arch.d_ff_dense
+
+
+def router_params(arch: Any) -> Any:
+    return np.asarray(arch.d_model) * arch.n_experts
+
+
+def norm_params(arch: Any) -> Any:
+    """Two RMSNorm weights per layer plus the final norm."""
+    return np.asarray(arch.d_model) * (2 * np.asarray(arch.n_layers) + 1)
+
+
+def embedding_params(arch: Any) -> Any:
+    """Input embedding plus the LM head unless tied."""
+    per_matrix = np.asarray(arch.vocab_size) * arch.d_model
+    return per_matrix * np.where(arch.tie_embeddings, 1, 2)
+
+
+def _moe_layer_params(arch: Any, routed_experts: Any) -> Any:
+    return router_params(arch) + (routed_experts + np.asarray(arch.n_shared_experts)) * expert_params(arch)
+
+
+def total_params(arch: Any, embeddings: bool = False) -> Any:
+    """N_tot: every parameter (non-embedding unless `embeddings`)."""
+    body = (
+        np.asarray(arch.n_layers) * attention_params_per_layer(arch)
+        + n_ffn_dense_layers(arch) * dense_ffn_params(arch)
+        + n_moe_layers(arch) * _moe_layer_params(arch, np.asarray(arch.n_experts))
+        + norm_params(arch)
+    )
+    return body + embedding_params(arch) if embeddings else body
+
+
+def active_params(arch: Any, embeddings: bool = False) -> Any:
+    """N_act: parameters one token passes through (top_k routed + shared experts)."""
+    body = (
+        np.asarray(arch.n_layers) * attention_params_per_layer(arch)
+        + n_ffn_dense_layers(arch) * dense_ffn_params(arch)
+        + n_moe_layers(arch) * _moe_layer_params(arch, np.asarray(arch.top_k))
+        + norm_params(arch)
+    )
+    return body + embedding_params(arch) if embeddings else body
+
+
+def sparsity(arch: Any) -> Any:
+    """S = 1 - N_act/N_tot (non-embedding): fraction of parameters inactive per token."""
+    return 1.0 - active_params(arch) / total_params(arch)
+
+
+def expert_sparsity(arch: Any) -> Any:
+    """1 - k/E (Abnar et al. 2025's S); 0 for dense models."""
+    n_experts = np.asarray(arch.n_experts)
+    return np.where(n_experts > 0, 1.0 - np.asarray(arch.top_k) / np.maximum(n_experts, 1), 0.0)
+
+
+def granularity(arch: Any) -> Any:
+    """G = d_ff_ref / d_expert with d_ff_ref = ffn_ratio * d_model; 1 for dense models."""
+    d_expert = np.asarray(arch.d_expert)
+    ratio = np.asarray(arch.ffn_ratio) * arch.d_model / np.maximum(d_expert, 1)
+    return np.where((np.asarray(arch.n_experts) > 0) & (d_expert > 0), ratio, 1.0)
+
+
+def attention_flops_per_token(arch: Any) -> Any:
+    """Score and value matmuls, forward+backward, no causal discount: 12*L*s*h_q."""
+    return 12.0 * np.asarray(arch.n_layers) * arch.seq_len * np.asarray(arch.n_heads) * arch.head_dim
+
+
+def model_flops_per_token(arch: Any) -> Any:
+    """Training model FLOPs per token (PaLM/Megatron convention, DESIGN.md).
+
+    6*N_act (non-embedding) + 6*h*V (LM head) + 12*L*s*h_q (attention, no causal
+    halving). Recompute is not counted: this is the MFU numerator.
+    """
+    lm_head = 6.0 * np.asarray(arch.d_model) * arch.vocab_size
+    return 6.0 * active_params(arch) + lm_head + attention_flops_per_token(arch)

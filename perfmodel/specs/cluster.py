@@ -1,0 +1,268 @@
+"""Where a model trains: `Accelerator`, `FabricLevel`, `ClusterSpec` (+ curves).
+
+A cluster file describes hardware (device, node size, fabric levels), not a
+job: the device count is the default job size and its upper bound. Every
+figure carries its source next to it; `mosaic calibrate` replaces datasheet
+figures by measured ones and records that in `calibration:`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import yaml
+
+from perfmodel.errors import InputError
+from perfmodel.specs.strict import check, spec_to_dict
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+@dataclass(frozen=True)
+class EfficiencyCurve:
+    """Achieved fraction of peak as a function of problem size.
+
+    Piecewise linear in log10(size), flat beyond the ends. For compute the size
+    is the FLOPs of one kernel call; for memory it is the bytes it moves.
+    """
+
+    sizes: tuple[float, ...]
+    """Problem sizes, strictly increasing (FLOPs or bytes)."""
+    values: tuple[float, ...]
+    """Efficiency in (0, 1] at each size."""
+    source: str = ""
+    """Where the points come from (datasheet, paper, calibration run)."""
+
+    def __post_init__(self) -> None:
+        check(len(self.sizes) == len(self.values) and len(self.sizes) >= 1, "sizes",
+              f"{len(self.sizes)} sizes but {len(self.values)} values", "give one value per size")
+        check(all(s > 0 for s in self.sizes), "sizes", "sizes must be > 0", "use positive FLOPs or bytes")
+        check(all(b > a for a, b in zip(self.sizes, self.sizes[1:])), "sizes",
+              "sizes must be strictly increasing", "sort them and drop duplicates")
+        check(all(0 < v <= 1 for v in self.values), "values",
+              f"efficiencies must be in (0, 1], got {list(self.values)}", "use fractions of peak")
+
+    def __call__(self, size: Any) -> Any:
+        log_size = np.log10(np.maximum(np.asarray(size, dtype=float), 1e-30))
+        return np.interp(log_size, np.log10(self.sizes), self.values)
+
+    @property
+    def max_value(self) -> float:
+        return max(self.values)
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One device as a rank sees it (for Ascend 910C: one die, as torch_npu shows it)."""
+
+    name: str
+    """Marketing name and variant."""
+    peak_flops_per_s: dict[str, float]
+    """Dense peak per precision (fp32, bf16, fp16, fp8, mxfp8 where the part has it)."""
+    hbm_bytes: float
+    """Device memory (vendor label)."""
+    hbm_bandwidth_bytes_per_s: float
+    """Peak memory bandwidth."""
+    compute_efficiency: dict[str, EfficiencyCurve]
+    """Achieved fraction of peak vs kernel FLOPs, per precision (missing ones use bf16)."""
+    memory_efficiency: EfficiencyCurve
+    """Achieved fraction of HBM bandwidth vs bytes moved."""
+    launch_latency_s: float
+    """Host time to dispatch one kernel (bounds small micro-batches)."""
+    sources: dict[str, str]
+    """Source of each figure above, by key."""
+    hbm_usable_bytes: Optional[float] = None
+    """Memory a job may allocate (None: hbm_bytes)."""
+
+    def __post_init__(self) -> None:
+        check(len(self.peak_flops_per_s) > 0, "peak_flops_per_s", "is empty", "give at least bf16 or fp32")
+        for precision, value in self.peak_flops_per_s.items():
+            check(precision in ("fp32", "bf16", "fp16", "fp8", "mxfp8"), f"peak_flops_per_s.{precision}",
+                  "unknown precision", "use fp32, bf16, fp16, fp8 or mxfp8")
+            check(math.isfinite(value) and value > 0, f"peak_flops_per_s.{precision}",
+                  f"must be a positive FLOP/s figure, got {value}", "write e.g. 989.0e12")
+        check(self.hbm_bytes > 0, "hbm_bytes", f"must be > 0, got {self.hbm_bytes}", "write e.g. 80.0e9")
+        check(self.hbm_usable_bytes is None or 0 < self.hbm_usable_bytes <= self.hbm_bytes, "hbm_usable_bytes",
+              "must be in (0, hbm_bytes]", "lower it or leave it out")
+        check(self.hbm_bandwidth_bytes_per_s > 0, "hbm_bandwidth_bytes_per_s", "must be > 0", "write e.g. 3.35e12")
+        check(self.launch_latency_s >= 0, "launch_latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
+        check(len(self.compute_efficiency) > 0, "compute_efficiency", "is empty", "give a curve for bf16 (or fp32)")
+        missing = [k for k in ("peak_flops_per_s", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "launch_latency_s")
+                   if k not in self.sources]
+        check(not missing, "sources", f"no source for {', '.join(missing)}", "cite a datasheet, paper or measurement")
+
+    @property
+    def usable_hbm_bytes(self) -> float:
+        return self.hbm_usable_bytes if self.hbm_usable_bytes is not None else self.hbm_bytes
+
+    def peak(self, precision: str) -> float:
+        """Dense peak FLOP/s of `precision`; mxfp8 falls back to fp8, fp16 to bf16."""
+        for name in (precision, {"mxfp8": "fp8", "fp16": "bf16", "bf16": "fp16"}.get(precision, "")):
+            if name in self.peak_flops_per_s:
+                return self.peak_flops_per_s[name]
+        raise InputError(f"accelerator '{self.name}' has no {precision} peak; choose one of "
+                         f"{', '.join(self.peak_flops_per_s)}")
+
+    def compute_curve(self, precision: str) -> EfficiencyCurve:
+        for name in (precision, "fp8" if precision == "mxfp8" else "", "bf16", "fp32"):
+            if name in self.compute_efficiency:
+                return self.compute_efficiency[name]
+        return next(iter(self.compute_efficiency.values()))
+
+
+@dataclass(frozen=True)
+class FabricLevel:
+    """One level of the interconnect: groups of `devices` joined at this bandwidth."""
+
+    name: str
+    """e.g. node (NVLink/HCCS), supernode (UB, NVL72), scale_out (IB/RoCE/EFA)."""
+    devices: int
+    """Devices in one group at this level (8 for an HGX node, 72 for NVL72)."""
+    bandwidth_bytes_per_s: float
+    """Per-device bandwidth, one direction."""
+    latency_s: float
+    """Alpha: fixed cost of one collective step at this level."""
+    efficiency: float
+    """Large-message achieved fraction of bandwidth (busbw / wire), used for every collective ..."""
+    source: str
+    """Where the figures come from."""
+    collective_efficiency: dict[str, float] = field(default_factory=dict)
+    """... unless overridden here per collective (all_reduce, all_gather, reduce_scatter, all_to_all, p2p)."""
+
+    def __post_init__(self) -> None:
+        check(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}", "give the group size")
+        check(self.bandwidth_bytes_per_s > 0, "bandwidth_bytes_per_s", "must be > 0", "write bytes/s, e.g. 450.0e9")
+        check(self.latency_s >= 0, "latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
+        check(0 < self.efficiency <= 1, "efficiency", f"must be in (0, 1], got {self.efficiency}", "use a fraction")
+        for name, value in self.collective_efficiency.items():
+            check(name in COLLECTIVES, f"collective_efficiency.{name}", "unknown collective",
+                  f"use one of {', '.join(COLLECTIVES)}")
+            check(0 < value <= 1, f"collective_efficiency.{name}", f"must be in (0, 1], got {value}", "use a fraction")
+
+    def efficiency_of(self, collective: str) -> float:
+        return self.collective_efficiency.get(collective, self.efficiency)
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Fraction of wall time that trains: `eta`, or modelled from failures (Young/Daly)."""
+
+    eta: Optional[float] = None
+    """Fixed goodput in (0, 1]; exclusive with node_mtbf_hours."""
+    node_mtbf_hours: Optional[float] = None
+    """Mean time between job-interrupting failures of one node."""
+    checkpoint_s: float = 0.0
+    """Blocking time of one checkpoint save."""
+    restart_s: float = 0.0
+    """Time from a failure to training again (detect, reschedule, load)."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        check((self.eta is None) != (self.node_mtbf_hours is None), "eta",
+              "give exactly one of eta and node_mtbf_hours", "set eta (e.g. 0.9) or node_mtbf_hours")
+        check(self.eta is None or 0 < self.eta <= 1, "eta", f"must be in (0, 1], got {self.eta}", "use a fraction")
+        check(self.node_mtbf_hours is None or self.node_mtbf_hours > 0, "node_mtbf_hours", "must be > 0", "give hours")
+        check(self.checkpoint_s >= 0 and self.restart_s >= 0, "checkpoint_s", "must be >= 0", "give seconds")
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Largest fraction of each collective's time that may hide behind compute."""
+
+    tp: float = 0.0
+    ep: float = 0.0
+    dp: float = 1.0
+    pp: float = 1.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "dp", "pp"):
+            value = getattr(self, name)
+            check(0 <= value <= 1, name, f"must be in [0, 1], got {value}", "use a fraction")
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """Slowdown from the slowest of n nodes: 1 + cv * sqrt(2 ln n) (max of n Gaussians)."""
+
+    cv: float = 0.0
+    """Coefficient of variation of one node's step time."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        check(0 <= self.cv < 1, "cv", f"must be in [0, 1), got {self.cv}", "use a small fraction, e.g. 0.01")
+
+    def factor(self, nodes: Any) -> Any:
+        return 1.0 + self.cv * np.sqrt(2.0 * np.log(np.maximum(np.asarray(nodes, dtype=float), 1.0)))
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A described cluster: accelerator, fabric levels (innermost first), size, policies."""
+
+    name: str
+    description: str
+    accelerator: Accelerator
+    levels: tuple[FabricLevel, ...]
+    """Innermost first; each level's group size is a multiple of the previous one."""
+    devices: int
+    """Default job size and its upper bound."""
+    goodput: Goodput
+    overlap: Overlap = field(default_factory=Overlap)
+    straggler: Straggler = field(default_factory=Straggler)
+    framework_overhead_bytes: float = 0.0
+    """Per-device memory the framework takes before the model (CUDA context, allocator, buffers)."""
+    framework_overhead_source: str = ""
+    size_from_host: bool = False
+    """cpu_local: take devices and cores from the machine at load time."""
+    host_cores: Optional[int] = None
+    """Physical cores shared by all ranks (cpu): ranks beyond it share peak."""
+    calibration: Optional[dict[str, Any]] = None
+    """Filled by `mosaic calibrate`: provenance and fit quality."""
+
+    def __post_init__(self) -> None:
+        check(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}", "give the device count")
+        check(len(self.levels) >= 1, "levels", "is empty", "describe at least the node level")
+        for i, (inner, outer) in enumerate(zip(self.levels, self.levels[1:])):
+            check(outer.devices % inner.devices == 0, f"levels[{i + 1}].devices",
+                  f"{outer.devices} is not a multiple of the inner level's {inner.devices}",
+                  "order levels innermost first with nested group sizes")
+        check(self.framework_overhead_bytes >= 0, "framework_overhead_bytes", "must be >= 0", "give bytes")
+        check(self.host_cores is None or self.host_cores >= 1, "host_cores", "must be >= 1", "give the core count")
+
+    @property
+    def node_devices(self) -> int:
+        """Devices per node: the innermost level's group."""
+        return self.levels[0].devices
+
+    def level_for_span(self, span_devices: Any) -> Any:
+        """Index of the innermost level whose group holds `span_devices` consecutive ranks."""
+        sizes = np.asarray([lvl.devices for lvl in self.levels])
+        index = np.searchsorted(sizes, np.asarray(span_devices), side="left")
+        return np.minimum(index, len(self.levels) - 1)
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical YAML (what plans record)."""
+        text = yaml.safe_dump(spec_to_dict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def with_devices(self, devices: int) -> "ClusterSpec":
+        if devices > self.devices:
+            raise InputError(f"--devices {devices} exceeds cluster '{self.name}' size {self.devices}; "
+                             "use at most the cluster's count or edit its 'devices' key")
+        return dataclasses.replace(self, devices=devices)
+
+
+def size_from_host(spec: ClusterSpec) -> ClusterSpec:
+    """Fill a `size_from_host` spec (cpu_local) from this machine's cores."""
+    if not spec.size_from_host:
+        return spec
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    node = dataclasses.replace(spec.levels[0], devices=max(spec.levels[0].devices, cores))
+    return dataclasses.replace(spec, devices=node.devices, host_cores=cores, levels=(node, *spec.levels[1:]))

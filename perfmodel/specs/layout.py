@@ -1,0 +1,207 @@
+"""How a model is laid out on devices: `ParallelLayout` (+ compact string form).
+
+Experts fold onto the dense ranks as in Megatron-Core's MoE parallel folding
+(Liu et al. 2025, "MoE Parallel Folding"): the dense part uses
+world = tp * cp * pp * dp, and the expert part reuses the same tp * cp * dp
+ranks of each pipeline stage as etp * ep * edp. So ep is carved out of the
+data-parallel ranks, never multiplied onto them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Sequence
+
+import numpy as np
+
+from perfmodel.errors import InputError
+from perfmodel.specs.strict import check, from_mapping
+
+DP_FLAVORS = ("ddp", "zero1", "fsdp")
+RECOMPUTE_MODES = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8")
+LAYOUT_FIELDS = (
+    "tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_flavor", "mbs", "gbs",
+    "recompute", "sequence_parallel", "precision",
+)
+
+DpFlavor = Literal["ddp", "zero1", "fsdp"]
+Recompute = Literal["none", "selective", "full"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8", "mxfp8"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Parallel degrees, batch sizes and memory/precision policy of one run."""
+
+    tp: int = 1
+    """Tensor parallel degree (attention heads, dense and shared-expert FFN)."""
+    pp: int = 1
+    """Pipeline stages."""
+    vpp: int = 1
+    """Virtual pipeline chunks per stage (interleaved 1F1B); 1 = plain 1F1B."""
+    ep: int = 1
+    """Expert parallel degree: routed experts are split over ep ranks."""
+    etp: int = 1
+    """Expert tensor parallel degree (Megatron-Core recommends 1 for fine-grained MoE)."""
+    cp: int = 1
+    """Context parallel degree (sequence split for attention)."""
+    dp: Optional[int] = None
+    """Data parallel degree; None = devices / (tp * cp * pp)."""
+    dp_flavor: DpFlavor = "zero1"
+    """ddp (replicated optimizer), zero1 (distributed optimizer) or fsdp (sharded weights)."""
+    mbs: int = 1
+    """Micro-batch size in sequences."""
+    gbs: Optional[int] = None
+    """Global batch in sequences; None = mbs * dp * (4 * pp if pp > 1 else 1)."""
+    recompute: Recompute = "none"
+    """Activation recomputation: none, selective (attention core) or full (whole layer)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallel (norm/dropout activations split over tp)."""
+    precision: Precision = "bf16"
+    """Training compute precision (weights kept in master fp32 by the optimizer)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "vpp", "ep", "etp", "cp", "mbs"):
+            value = getattr(self, name)
+            check(value >= 1, name, f"must be >= 1, got {value}", "give a positive integer")
+        for name in ("dp", "gbs"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, name, f"must be >= 1, got {value}", "give a positive integer or leave it out")
+        check(self.dp_flavor in DP_FLAVORS, "dp_flavor", f"{self.dp_flavor!r} is unknown", f"use one of {', '.join(DP_FLAVORS)}")
+        check(self.recompute in RECOMPUTE_MODES, "recompute", f"{self.recompute!r} is unknown", f"use one of {', '.join(RECOMPUTE_MODES)}")
+        check(self.precision in PRECISIONS, "precision", f"{self.precision!r} is unknown", f"use one of {', '.join(PRECISIONS)}")
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks one model replica spans: tp * cp * pp."""
+        return self.tp * self.cp * self.pp
+
+    def world(self) -> int:
+        check(self.dp is not None, "dp", "is not resolved", "call resolve(devices) first")
+        return self.tp * self.cp * self.pp * int(self.dp)
+
+    def edp(self) -> int:
+        """Expert data parallel degree: tp * cp * dp / (etp * ep)."""
+        check(self.dp is not None, "dp", "is not resolved", "call resolve(devices) first")
+        return (self.tp * self.cp * int(self.dp)) // (self.etp * self.ep)
+
+    def micro_batches(self) -> int:
+        """m = gbs / (mbs * dp): micro-batches per step per pipeline."""
+        layout = self if self.gbs is not None else self.resolve(self.world())
+        return int(layout.gbs) // (layout.mbs * int(layout.dp))
+
+    def resolve(self, devices: int) -> "ParallelLayout":
+        """Fill dp (from the device count) and gbs (default rule); other checks are `validate`."""
+        dp = self.dp
+        if dp is None:
+            if devices % self.model_parallel != 0:
+                raise InputError(
+                    f"key 'dp': devices={devices} is not a multiple of tp*cp*pp={self.model_parallel}; "
+                    "change tp/cp/pp or the device count"
+                )
+            dp = devices // self.model_parallel
+        gbs = self.gbs
+        if gbs is None:
+            gbs = self.mbs * dp * (4 * self.pp if self.pp > 1 else 1)
+        return dataclasses.replace(self, dp=dp, gbs=gbs)
+
+    def to_string(self) -> str:
+        """Compact form, every field named (inverse of `parse_layout`)."""
+        parts = []
+        for name in LAYOUT_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            parts.append(f"{name}={str(value).lower() if isinstance(value, bool) else value}")
+        return ",".join(parts)
+
+
+_ALIASES = {"sp": "sequence_parallel", "dp_type": "dp_flavor", "flavor": "dp_flavor"}
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def parse_layout(text: str, devices: Optional[int] = None) -> ParallelLayout:
+    """Parse ``"tp=8,pp=8,vpp=3,mbs=1,gbs=64,recompute=full"``.
+
+    Unnamed fields take their defaults; with `devices`, dp (and gbs) are resolved.
+    """
+    values: dict[str, Any] = {}
+    text = text.strip()
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in item:
+            raise InputError(f"layout '{text}': '{item}' is not key=value; write e.g. 'tp=8,pp=2'")
+        key, raw = (s.strip() for s in item.split("=", 1))
+        key = _ALIASES.get(key, key)
+        if key not in LAYOUT_FIELDS:
+            close = difflib.get_close_matches(key, LAYOUT_FIELDS, n=1)
+            fix = f"did you mean '{close[0]}'?" if close else "keys: " + ", ".join(LAYOUT_FIELDS)
+            raise InputError(f"layout: unknown key '{key}'; {fix}")
+        if key == "sequence_parallel":
+            if raw.lower() not in _TRUE | _FALSE:
+                raise InputError(f"layout: key 'sequence_parallel': {raw!r} is not true/false")
+            values[key] = raw.lower() in _TRUE
+        else:
+            values[key] = raw
+    try:
+        layout = from_mapping(ParallelLayout, values)
+    except InputError as exc:
+        raise InputError(f"layout: {exc}") from None
+    return layout.resolve(devices) if devices is not None else layout
+
+
+@dataclass(frozen=True)
+class LayoutBatch:
+    """Column-wise numpy arrays of resolved layouts; categorical fields as codes.
+
+    dp_flavor indexes DP_FLAVORS, recompute RECOMPUTE_MODES, precision PRECISIONS.
+    """
+
+    tp: np.ndarray
+    pp: np.ndarray
+    vpp: np.ndarray
+    ep: np.ndarray
+    etp: np.ndarray
+    cp: np.ndarray
+    dp: np.ndarray
+    dp_flavor: np.ndarray
+    mbs: np.ndarray
+    gbs: np.ndarray
+    recompute: np.ndarray
+    sequence_parallel: np.ndarray
+    precision: np.ndarray
+
+    @staticmethod
+    def stack(layouts: Sequence[ParallelLayout]) -> "LayoutBatch":
+        cols: dict[str, np.ndarray] = {}
+        for name in LAYOUT_FIELDS:
+            values = [getattr(lay, name) for lay in layouts]
+            if any(v is None for v in values):
+                raise InputError(f"layout: key '{name}' is not resolved; call resolve(devices) first")
+            if name == "dp_flavor":
+                cols[name] = np.asarray([DP_FLAVORS.index(v) for v in values], dtype=np.int64)
+            elif name == "recompute":
+                cols[name] = np.asarray([RECOMPUTE_MODES.index(v) for v in values], dtype=np.int64)
+            elif name == "precision":
+                cols[name] = np.asarray([PRECISIONS.index(v) for v in values], dtype=np.int64)
+            elif name == "sequence_parallel":
+                cols[name] = np.asarray(values, dtype=bool)
+            else:
+                cols[name] = np.asarray(values, dtype=np.int64)
+        return LayoutBatch(**cols)
+
+    def __len__(self) -> int:
+        return int(np.size(self.tp))
+
+    def row(self, i: int) -> ParallelLayout:
+        values: dict[str, Any] = {name: getattr(self, name)[i].item() for name in LAYOUT_FIELDS}
+        values["dp_flavor"] = DP_FLAVORS[values["dp_flavor"]]
+        values["recompute"] = RECOMPUTE_MODES[values["recompute"]]
+        values["precision"] = PRECISIONS[values["precision"]]
+        return ParallelLayout(**values)
+
+    def take(self, index: Any) -> "LayoutBatch":
+        return LayoutBatch(**{name: np.asarray(getattr(self, name))[index] for name in LAYOUT_FIELDS})

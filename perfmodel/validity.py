@@ -1,0 +1,116 @@
+"""Validity rules of a (model, layout, devices) triple as named pure functions.
+
+Each predicate takes architecture and layout attributes as numbers or numpy
+arrays (an `MoEArchitecture`/`ArchBatch`, a `ParallelLayout`/`LayoutBatch`)
+and returns a boolean (array). The performance model, the enumeration, the
+MINLP and the trainer all call these same functions; `violations` turns them
+into messages for one configuration.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from perfmodel.errors import InputError
+
+
+def _a(x: Any) -> np.ndarray:
+    return np.asarray(x)
+
+
+def tp_divides_heads(arch: Any, lay: Any) -> Any:
+    """Megatron splits heads over tp: tp | n_heads and tp | n_kv_heads."""
+    return (_a(arch.n_heads) % lay.tp == 0) & (_a(arch.n_kv_heads) % lay.tp == 0)
+
+
+def tp_divides_ffn(arch: Any, lay: Any) -> Any:
+    """Dense FFN and shared experts are split over tp: tp | their widths (when present)."""
+    dense_ok = (_a(arch.d_ff_dense) % lay.tp == 0) | (_a(arch.d_ff_dense) == 0)
+    shared_ok = (_a(arch.n_shared_experts) * arch.d_expert % lay.tp == 0)
+    return dense_ok & shared_ok
+
+
+def cp_divides_seq(arch: Any, lay: Any) -> Any:
+    """Context parallel splits the sequence into 2*cp chunks (load-balanced causal CP)."""
+    return (_a(lay.cp) == 1) | (_a(arch.seq_len) % (2 * _a(lay.cp)) == 0)
+
+
+def pp_divides_layers(arch: Any, lay: Any) -> Any:
+    """Layers split evenly over pp * vpp model chunks."""
+    return _a(arch.n_layers) % (_a(lay.pp) * lay.vpp) == 0
+
+
+def vpp_needs_pp(arch: Any, lay: Any) -> Any:
+    """Interleaving (vpp > 1) needs a pipeline (pp > 1)."""
+    return (_a(lay.vpp) == 1) | (_a(lay.pp) > 1)
+
+
+def ep_divides_experts(arch: Any, lay: Any) -> Any:
+    """Routed experts split evenly over ep; a dense model has ep = 1."""
+    n_experts = _a(arch.n_experts)
+    return np.where(n_experts > 0, n_experts % np.asarray(lay.ep) == 0, _a(lay.ep) == 1)
+
+
+def expert_folding(arch: Any, lay: Any) -> Any:
+    """Parallel folding: etp * ep divides tp * cp * dp (edp = tp*cp*dp / (etp*ep) is whole)."""
+    return (_a(lay.tp) * lay.cp * lay.dp) % (_a(lay.etp) * lay.ep) == 0
+
+
+def etp_divides_expert(arch: Any, lay: Any) -> Any:
+    """Expert tensor parallel splits d_expert: etp | d_expert (etp = 1 for dense)."""
+    return np.where(_a(arch.n_experts) > 0, _a(arch.d_expert) % _a(lay.etp) == 0, _a(lay.etp) == 1)
+
+
+def batch_divides(arch: Any, lay: Any) -> Any:
+    """gbs is a whole number of micro-batches per data-parallel rank."""
+    return _a(lay.gbs) % (_a(lay.mbs) * lay.dp) == 0
+
+
+def world_matches(arch: Any, lay: Any, devices: Any) -> Any:
+    """tp * cp * pp * dp uses exactly the devices of the job."""
+    return _a(lay.tp) * lay.cp * lay.pp * lay.dp == _a(devices)
+
+
+RULES: tuple[tuple[str, Callable[..., Any], str], ...] = (
+    ("tp_divides_heads", tp_divides_heads, "tp={tp} must divide n_heads={n_heads} and n_kv_heads={n_kv_heads}; pick a common divisor"),
+    ("tp_divides_ffn", tp_divides_ffn, "tp={tp} must divide d_ff_dense={d_ff_dense} and n_shared_experts*d_expert; pick a divisor"),
+    ("cp_divides_seq", cp_divides_seq, "cp={cp}: seq_len={seq_len} must be a multiple of 2*cp; change cp or seq_len"),
+    ("pp_divides_layers", pp_divides_layers, "pp*vpp={pp}*{vpp} must divide n_layers={n_layers}; pick pp and vpp whose product divides the layers"),
+    ("vpp_needs_pp", vpp_needs_pp, "vpp={vpp} needs pp > 1; set vpp=1 or add pipeline stages"),
+    ("ep_divides_experts", ep_divides_experts, "ep={ep} must divide n_experts={n_experts} (ep=1 for a dense model); pick a divisor"),
+    ("expert_folding", expert_folding, "etp*ep={etp}*{ep} must divide tp*cp*dp={tp}*{cp}*{dp} (experts fold onto the data-parallel ranks); lower ep or etp"),
+    ("etp_divides_expert", etp_divides_expert, "etp={etp} must divide d_expert={d_expert} (etp=1 for a dense model)"),
+    ("batch_divides", batch_divides, "gbs={gbs} must be a multiple of mbs*dp={mbs}*{dp}; change gbs or mbs"),
+)
+
+
+def valid_mask(arch: Any, lay: Any, devices: Any) -> np.ndarray:
+    """All rules at once over arrays (what the search uses)."""
+    ok = np.asarray(world_matches(arch, lay, devices), dtype=bool)
+    for _, rule, _ in RULES:
+        ok = ok & np.asarray(rule(arch, lay), dtype=bool)
+    return ok
+
+
+def violations(arch: Any, layout: Any, devices: int) -> list[str]:
+    """Every violated rule of one configuration, as a message naming fields and fix."""
+    if layout.dp is None or layout.gbs is None:
+        layout = layout.resolve(devices)
+    fields = {**{k: getattr(arch, k) for k in vars(arch)}, **{k: getattr(layout, k) for k in vars(layout)}}
+    messages = []
+    if not world_matches(arch, layout, devices):
+        messages.append(f"world_matches: tp*cp*pp*dp={layout.world()} must equal the device count {devices}; "
+                        "change dp or --devices")
+    for name, rule, template in RULES:
+        if not bool(rule(arch, layout)):
+            messages.append(f"{name}: " + template.format(**fields))
+    return messages
+
+
+def validate(arch: Any, layout: Any, devices: int) -> None:
+    """Raise one InputError listing every violated rule (none: return quietly)."""
+    problems = violations(arch, layout, devices)
+    if problems:
+        raise InputError("invalid layout: " + "; ".join(problems))
