@@ -19,8 +19,9 @@ the GQA geometry with the same projection parameter count (see tests).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -112,7 +113,7 @@ class MoEArchitecture:
     def model_flops_per_token(self) -> float:
         return float(model_flops_per_token(self))
 
-    def replace(self, **changes: Any) -> "MoEArchitecture":
+    def replace(self, **changes: Any) -> MoEArchitecture:
         return dataclasses.replace(self, **changes)
 
 
@@ -138,7 +139,7 @@ class ArchBatch:
     tie_embeddings: np.ndarray
 
     @staticmethod
-    def stack(archs: Sequence[MoEArchitecture]) -> "ArchBatch":
+    def stack(archs: Sequence[MoEArchitecture]) -> ArchBatch:
         cols = {}
         for name in ARCH_FIELDS:
             values = [getattr(a, name) for a in archs]
@@ -153,7 +154,7 @@ class ArchBatch:
         values = {name: getattr(self, name)[i].item() for name in ARCH_FIELDS}
         return MoEArchitecture(**values)
 
-    def take(self, index: Any) -> "ArchBatch":
+    def take(self, index: Any) -> ArchBatch:
         return ArchBatch(**{name: np.asarray(getattr(self, name))[index] for name in ARCH_FIELDS})
 
 

@@ -252,7 +252,7 @@ class ClusterSpec:
         text = yaml.safe_dump(spec_to_dict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def with_devices(self, devices: int) -> "ClusterSpec":
+    def with_devices(self, devices: int) -> ClusterSpec:
         if devices > self.devices:
             raise InputError(f"--devices {devices} exceeds cluster '{self.name}' size {self.devices}; "
                              "use at most the cluster's count or edit its 'devices' key")

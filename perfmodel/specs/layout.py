@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional
 
 import numpy as np
 
@@ -93,7 +94,7 @@ class ParallelLayout:
         layout = self if self.gbs is not None else self.resolve(self.world())
         return int(layout.gbs) // (layout.mbs * int(layout.dp))
 
-    def resolve(self, devices: int) -> "ParallelLayout":
+    def resolve(self, devices: int) -> ParallelLayout:
         """Fill dp (from the device count) and gbs (default rule); other checks are `validate`."""
         dp = self.dp
         if dp is None:
@@ -175,7 +176,7 @@ class LayoutBatch:
     precision: np.ndarray
 
     @staticmethod
-    def stack(layouts: Sequence[ParallelLayout]) -> "LayoutBatch":
+    def stack(layouts: Sequence[ParallelLayout]) -> LayoutBatch:
         cols: dict[str, np.ndarray] = {}
         for name in LAYOUT_FIELDS:
             values = [getattr(lay, name) for lay in layouts]
@@ -203,5 +204,5 @@ class LayoutBatch:
         values["precision"] = PRECISIONS[values["precision"]]
         return ParallelLayout(**values)
 
-    def take(self, index: Any) -> "LayoutBatch":
+    def take(self, index: Any) -> LayoutBatch:
         return LayoutBatch(**{name: np.asarray(getattr(self, name))[index] for name in LAYOUT_FIELDS})

@@ -15,8 +15,9 @@ import math
 import os
 import tempfile
 import types
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 

@@ -1,0 +1,219 @@
+"""Spec types: published parameter counts, strict loading, layout parsing, validity rules."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+import yaml
+
+from perfmodel.errors import InputError
+from perfmodel.specs import (
+    ArchBatch,
+    LayoutBatch,
+    MoEArchitecture,
+    ParallelLayout,
+    active_params,
+    model_flops_per_token,
+    parse_layout,
+    sparsity,
+    total_params,
+)
+from perfmodel.specs.strict import load_spec, spec_from_dict, spec_to_dict, write_yaml_atomic
+from perfmodel.validity import valid_mask, validate, violations
+
+MIXTRAL_8X7B = MoEArchitecture(
+    n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=32000, seq_len=4096,
+    n_experts=8, top_k=2, d_expert=14336, ffn_ratio=3.5, gated_ffn=True,
+)
+
+# DeepSeek-V3 (arXiv 2412.19437): 61 layers, h=7168, 3 dense layers (d_ff 18432), 256 routed
+# experts (top-8) + 1 shared of width 2048, V=129280. Its multi-head latent attention
+# (187M projection parameters per layer) is approximated by MHA with 128 heads of width 48
+# (4*h*h_q = 176M per layer): the parameter count is within 0.2% overall.
+DEEPSEEK_V3 = MoEArchitecture(
+    n_layers=61, d_model=7168, n_heads=128, n_kv_heads=128, head_dim=48, vocab_size=129280, seq_len=4096,
+    n_experts=256, top_k=8, n_shared_experts=1, d_expert=2048, d_ff_dense=18432, n_dense_layers=3,
+    ffn_ratio=18432 / 7168, gated_ffn=True,
+)
+
+# GPT-3 175B (Brown et al. 2020): 96 layers, h=12288, 96 heads of 128, plain 4h MLP, tied embeddings.
+GPT3_175B = MoEArchitecture(
+    n_layers=96, d_model=12288, n_heads=96, n_kv_heads=96, head_dim=128, vocab_size=50257, seq_len=2048,
+    d_ff_dense=4 * 12288, gated_ffn=False, tie_embeddings=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("arch", "total_b", "active_b"),
+    [(MIXTRAL_8X7B, 46.7, 12.9), (DEEPSEEK_V3, 671.0, 37.0), (GPT3_175B, 175.0, 175.0)],
+    ids=["mixtral_8x7b", "deepseek_v3", "gpt3_175b"],
+)
+def test_parameter_counts_match_published_totals(arch, total_b, active_b):
+    assert arch.total_params(embeddings=True) / 1e9 == pytest.approx(total_b, rel=0.02)
+    assert arch.active_params(embeddings=True) / 1e9 == pytest.approx(active_b, rel=0.02)
+
+
+def test_dense_model_has_zero_sparsity_and_unit_granularity():
+    assert GPT3_175B.sparsity == 0.0
+    assert GPT3_175B.granularity == 1.0
+    assert GPT3_175B.total_params() == GPT3_175B.active_params()
+
+
+def test_sparsity_and_granularity_definitions():
+    assert MIXTRAL_8X7B.sparsity == pytest.approx(1 - MIXTRAL_8X7B.active_params() / MIXTRAL_8X7B.total_params())
+    fine = MIXTRAL_8X7B.replace(n_experts=64, top_k=16, d_expert=14336 // 8)
+    assert fine.granularity == pytest.approx(8.0)
+    assert fine.total_params() == pytest.approx(MIXTRAL_8X7B.total_params() + 32 * 4096 * 56, rel=1e-12)
+
+
+def test_model_flops_per_token_convention():
+    arch = MIXTRAL_8X7B
+    expected = 6 * arch.active_params() + 6 * 4096 * 32000 + 12 * 32 * 4096 * 32 * 128
+    assert arch.model_flops_per_token == pytest.approx(expected)
+
+
+def test_batch_functions_equal_scalar_functions():
+    archs = [MIXTRAL_8X7B, DEEPSEEK_V3, GPT3_175B]
+    batch = ArchBatch.stack(archs)
+    for fn in (total_params, active_params, sparsity, model_flops_per_token):
+        np.testing.assert_allclose(fn(batch), [float(fn(a)) for a in archs])
+    assert batch.row(1) == DEEPSEEK_V3
+
+
+def test_architecture_yaml_round_trip(tmp_path):
+    path = write_yaml_atomic(tmp_path / "m.yaml", spec_to_dict(DEEPSEEK_V3))
+    assert load_spec(MoEArchitecture, path) == DEEPSEEK_V3
+
+
+MODEL_YAML = """\
+version: 1
+n_layers: 2
+d_model: 64
+n_heads: 4
+n_kv_heads: 2
+head_dim: 16
+vocab_size: 256
+seq_len: 32
+n_experts: 4
+top_k: 2
+d_expert: 32
+"""
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.replace("n_layers", "n_layer"), "unknown key 'n_layer'; did you mean 'n_layers'?"),
+        (lambda t: t.replace("d_model: 64", "d_model: sixty"), "key 'd_model': expected an integer"),
+        (lambda t: t.replace("head_dim: 16\n", ""), "missing key 'head_dim'"),
+        (lambda t: t.replace("top_k: 2", "top_k: 9"), "key 'top_k': 9 must be in [1, n_experts=4]"),
+        (lambda t: t.replace("n_kv_heads: 2", "n_kv_heads: 3"), "key 'n_kv_heads': 3 does not divide n_heads=4"),
+        (lambda t: t.replace("version: 1", "version: 7"), "key 'version': 7 is not supported"),
+        (lambda t: t.replace("version: 1\n", ""), "missing key 'version'"),
+        (lambda t: t.replace("seq_len: 32", "seq_len: [32"), "malformed YAML"),
+        (lambda t: t.replace("d_model: 64", "d_model: .nan"), "key 'd_model': expected an integer"),
+        (lambda t: t.replace("d_model: 64", "d_model: -64"), "key 'd_model': must be >= 1"),
+    ],
+    ids=["unknown_key", "wrong_type", "missing_field", "impossible_topk", "kv_heads", "version", "no_version",
+         "malformed", "nan", "negative"],
+)
+def test_bad_model_yaml_gives_named_one_line_error(tmp_path, edit, message):
+    path = tmp_path / "model.yaml"
+    path.write_text(edit(MODEL_YAML))
+    with pytest.raises(InputError) as info:
+        load_spec(MoEArchitecture, path)
+    text = str(info.value)
+    assert "\n" not in text
+    assert str(path) in text
+    assert message in text
+
+
+def test_good_model_yaml_loads(tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text(MODEL_YAML)
+    arch = load_spec(MoEArchitecture, path)
+    assert arch.n_experts == 4 and arch.gated_ffn is True
+
+
+def test_parse_layout_compact_string_and_defaults():
+    layout = parse_layout("tp=8,pp=8,vpp=3,mbs=1,gbs=64,recompute=full")
+    assert (layout.tp, layout.pp, layout.vpp, layout.recompute, layout.dp) == (8, 8, 3, "full", None)
+    resolved = parse_layout("tp=8,pp=8,vpp=3,mbs=1,gbs=64,recompute=full", devices=512)
+    assert resolved.dp == 8 and resolved.world() == 512
+    assert resolved.micro_batches() == 8
+    assert parse_layout(resolved.to_string()) == resolved
+    assert parse_layout("sp=true,tp=2").sequence_parallel is True
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tpp=2", "unknown key 'tpp'; did you mean 'tp'?"),
+        ("tp=two", "key 'tp': expected an integer"),
+        ("tp", "is not key=value"),
+        ("recompute=some", "'some' is not one of"),
+        ("tp=0", "key 'tp': must be >= 1"),
+    ],
+)
+def test_bad_layout_string(text, message):
+    with pytest.raises(InputError, match=None) as info:
+        parse_layout(text)
+    assert message in str(info.value)
+
+
+def test_layout_resolve_rejects_device_count_not_divisible():
+    with pytest.raises(InputError, match="not a multiple of tp\\*cp\\*pp"):
+        parse_layout("tp=3", devices=8)
+
+
+@pytest.mark.parametrize(
+    ("layout", "devices", "rule"),
+    [
+        ("tp=3", 3, "tp_divides_heads"),
+        ("ep=3,dp=3", 3, "ep_divides_experts"),
+        ("ep=8,dp=4", 4, "expert_folding"),
+        ("pp=3,dp=1", 3, "pp_divides_layers"),
+        ("vpp=2", 1, "vpp_needs_pp"),
+        ("dp=2,mbs=2,gbs=6", 2, "batch_divides"),
+        ("dp=2", 4, "world_matches"),
+        ("cp=3,dp=1", 3, "cp_divides_seq"),
+    ],
+)
+def test_validate_names_each_violated_rule(layout, devices, rule):
+    problems = violations(MIXTRAL_8X7B, parse_layout(layout), devices)
+    assert any(p.startswith(rule + ":") for p in problems), problems
+    with pytest.raises(InputError, match=rule):
+        validate(MIXTRAL_8X7B, parse_layout(layout), devices)
+
+
+def test_expert_parallel_is_carved_out_of_data_parallel():
+    layout = parse_layout("tp=2,pp=4,ep=8,mbs=1,gbs=64", devices=64)
+    assert layout.dp == 8 and layout.edp() == 2  # tp*dp = 16 = etp*ep*edp = 1*8*2
+    assert violations(MIXTRAL_8X7B, layout, 64) == []
+
+
+def test_valid_mask_matches_violations_on_a_batch():
+    layouts = [parse_layout(t, devices=8) for t in ("tp=8", "tp=2,ep=4", "ep=8", "tp=4,ep=4", "pp=2,tp=4,gbs=16")]
+    mask = valid_mask(ArchBatch.stack([MIXTRAL_8X7B] * len(layouts)), LayoutBatch.stack(layouts), 8)
+    assert list(mask) == [violations(MIXTRAL_8X7B, lay, 8) == [] for lay in layouts]
+    assert LayoutBatch.stack(layouts).row(4) == layouts[4]
+
+
+def test_layout_yaml_round_trip():
+    layout = ParallelLayout(tp=2, ep=4, dp=8, gbs=256, recompute="selective", sequence_parallel=True)
+    data = yaml.safe_load(yaml.safe_dump(spec_to_dict(layout)))
+    assert spec_from_dict(ParallelLayout, data, source="layout.yaml") == layout
+
+
+def test_spec_error_names_nested_key(tmp_path):
+    text = textwrap.dedent("""\
+        version: 1
+        tp: 2
+        dp_flavor: zero3
+    """)
+    path = tmp_path / "layout.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError, match="key 'dp_flavor'"):
+        load_spec(ParallelLayout, path)
