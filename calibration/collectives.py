@@ -1,0 +1,365 @@
+"""Collective benchmarks under torchrun, and the launcher that runs them as a subprocess.
+
+Worker (every rank, under torchrun): `python -m calibration.collectives --out rows.csv ...`.
+It times all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
+all_to_all_single and send/recv (each rank sends to the next and receives from
+the previous, as nccl-tests' sendrecv) over message sizes, for a group inside a
+node and, when the job spans nodes, a group with one rank per node. A repeat's
+time is the slowest rank's (max over the group), device-timed on cuda/npu.
+Rank 0 appends each point to the CSV as soon as it is measured, so a run that
+dies or hangs keeps what it measured.
+
+Launcher (`run_collectives_subprocess`): starts `python -m torch.distributed.run`
+in its own process group, watches the CSV grow, and kills the whole group when
+a rank dies or nothing new is measured for `stall_s` seconds.
+
+Message size S follows nccl-tests (doc/PERFORMANCE.md): the all-reduce buffer,
+the all-gather output, the reduce-scatter input, the all-to-all send buffer, the
+send/recv message; bus bandwidth = S/t * factor with factor 2(n-1)/n for
+all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for p2p.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from calibration.measurements import COLLECTIVE_KINDS, FIELDS, Measurement, read_csv, to_csv_text
+
+FAULT_ENV = "MOSAIC_CALIBRATION_FAULT"
+"""Test hook: `die:<rank>:<points>` or `hang:<rank>:<points>` makes that rank exit / sleep after
+rank 0 has measured <points> points (used by the tests of the timeout path)."""
+
+
+def bus_factor(collective: str, ranks: int) -> float:
+    """nccl-tests bus-bandwidth factor: busbw = algbw * factor."""
+    if collective == "all_reduce":
+        return 2.0 * (ranks - 1) / ranks
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (ranks - 1) / ranks
+    return 1.0
+
+
+def message_sizes(device_type: str, quick: bool) -> list[int]:
+    """Message sizes in bytes: 4 KiB upward by 4x (to 16 MiB quick / 64 MiB on cpu, 256 MiB on accelerators)."""
+    top = (16 if quick else 64) * 2**20 if device_type == "cpu" else (64 if quick else 256) * 2**20
+    sizes, size = [], 4 * 2**10
+    while size <= top:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def repeats_for(nbytes: int, quick: bool) -> tuple[int, int, int]:
+    """(warm-up, repeats, ops per repeat) for a message; fixed from the size so every rank agrees.
+
+    As nccl-tests does, a repeat times several back-to-back operations (small
+    messages) so scheduler jitter between ranks averages out inside it.
+    """
+    inner = int(min(16, max(1, 2**20 // max(nbytes, 1))))
+    if nbytes <= 2**20:
+        return (2, 15, inner) if quick else (5, 30, inner)
+    return (2, 9, inner) if quick else (3, 15, inner)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    level: str
+    """Cluster level this group exercises."""
+    ranks_of: list[list[int]]
+    """Partition of all ranks into groups of this kind (every rank is in exactly one)."""
+
+
+def group_specs(world: int, local: int, level_names: list[str], level_devices: list[int]) -> list[GroupSpec]:
+    """Groups inside a node (when local >= 2) and one-rank-per-node groups (when nodes >= 2)."""
+
+    def level_for(span: int) -> str:
+        for name, devices in zip(level_names, level_devices):
+            if span <= devices:
+                return name
+        return level_names[-1]
+
+    nodes = world // local
+    specs = []
+    if local >= 2:
+        specs.append(GroupSpec(level_for(local), [list(range(n * local, (n + 1) * local)) for n in range(nodes)]))
+    if nodes >= 2:
+        # A rail group spans every node: it exercises the level that holds the whole job.
+        specs.append(GroupSpec(level_for(world), [list(range(r, world, local)) for r in range(local)]))
+    return specs
+
+
+def plan_size(world: int, local: int, quick: bool, device_type: str) -> int:
+    """Number of points rank 0 will record (for the progress bar)."""
+    groups = group_specs(world, local, ["a", "b"], [local, world])
+    return len(groups) * len(COLLECTIVE_KINDS) * len(message_sizes(device_type, quick))
+
+
+# --------------------------------------------------------------------------- worker
+
+def _fault() -> tuple[str, int, int]:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return "", -1, -1
+    mode, rank, points = spec.split(":")
+    return mode, int(rank), int(points)
+
+
+def worker(out: Path, device_kind: str, quick: bool, level_names: list[str], level_devices: list[int],
+           on_row: Optional[Callable[[Measurement], None]] = None) -> list[Measurement]:
+    """Run every collective point on this rank (all ranks call it); rank 0 returns and appends the rows."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from calibration.stats import summarize
+    from calibration.timing import resolve_device, synchronize
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_kind, local_rank)
+    initialised_here = False
+    if not dist.is_initialized():
+        backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device_kind]
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=600))
+        initialised_here = True
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    impl = dist.get_backend()
+    dtype = torch.float32 if device_kind == "cpu" else torch.bfloat16
+    elem = torch.tensor([], dtype=dtype).element_size()
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+    fault_mode, fault_rank, fault_points = _fault()
+    rows: list[Measurement] = []
+    if rank == 0 and not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(",".join(FIELDS) + "\n")
+
+    for spec in group_specs(world, local, level_names, level_devices):
+        mine = None
+        for members in spec.ranks_of:  # every rank creates every group, in the same order
+            group = dist.new_group(members)
+            if rank in members:
+                mine, my_members = group, members
+        assert mine is not None
+        n = len(my_members)
+        for collective in COLLECTIVE_KINDS:
+            for nbytes in message_sizes(device_kind, quick):
+                if fault_mode and rank == fault_rank and len(rows) >= fault_points and rank != 0:
+                    if fault_mode == "die":
+                        os._exit(3)
+                    time.sleep(3600)
+                count = max(n, (nbytes // elem) // n * n)  # divisible by the group size
+                size = count * elem
+                op = _make_op(collective, count, my_members, rank, mine, device, dtype)
+                warmup, repeats, inner = repeats_for(size, quick)
+                for _ in range(warmup):
+                    op()
+                synchronize(device)
+                times = torch.zeros(repeats, dtype=torch.float64)
+                backend = getattr(torch, device.type) if device.type != "cpu" else None
+                for i in range(repeats):
+                    dist.barrier(group=mine)
+                    if backend is not None:
+                        begin, end = backend.Event(enable_timing=True), backend.Event(enable_timing=True)
+                        begin.record()
+                        for _ in range(inner):
+                            op()
+                        end.record()
+                        end.synchronize()  # NOTE: host-device sync per repeat
+                        times[i] = begin.elapsed_time(end) * 1e-3 / inner
+                    else:
+                        t0 = time.perf_counter()
+                        for _ in range(inner):
+                            op()
+                        times[i] = (time.perf_counter() - t0) / inner
+                slowest = times.to(device=device, dtype=torch.float32 if device.type != "cpu" else torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=mine)  # a repeat ends when its slowest rank does
+                if rank == 0:
+                    stats = summarize(slowest.double().cpu().tolist())
+                    algbw = size / stats.median_s
+                    row = Measurement.from_stats(
+                        collective, device_kind, precision, {"ranks": n, "bytes": size}, 0.0, size, stats,
+                        level=spec.level, ranks=n, impl=impl, busbw_bytes_per_s=algbw * bus_factor(collective, n))
+                    rows.append(row)
+                    with out.open("a") as handle:
+                        handle.write(to_csv_text([row]).split("\n", 1)[1])
+                        handle.flush()
+                    if on_row is not None:
+                        on_row(row)
+                else:
+                    rows.append(dataclasses.replace(_PLACEHOLDER))  # keeps the fault hook's count in step
+    dist.barrier()
+    if initialised_here:
+        dist.destroy_process_group()
+    return rows if rank == 0 else []
+
+
+def _make_op(collective: str, count: int, members: list[int], rank: int, group: object, device: object,
+             dtype: object) -> Callable[[], object]:
+    """One call of `collective` on a buffer of `count` elements (nccl-tests sizing), as a closure."""
+    import torch
+    import torch.distributed as dist
+
+    n = len(members)
+    if collective == "all_reduce":
+        buf = torch.ones(count, device=device, dtype=dtype)
+        return lambda: dist.all_reduce(buf, group=group)
+    if collective == "all_gather":
+        shard = torch.ones(count // n, device=device, dtype=dtype)
+        full = torch.empty(count, device=device, dtype=dtype)
+        return lambda: dist.all_gather_into_tensor(full, shard, group=group)
+    if collective == "reduce_scatter":
+        full = torch.ones(count, device=device, dtype=dtype)
+        shard = torch.empty(count // n, device=device, dtype=dtype)
+        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+    if collective == "all_to_all":
+        send = torch.ones(count, device=device, dtype=dtype)
+        recv = torch.empty(count, device=device, dtype=dtype)
+        return lambda: dist.all_to_all_single(recv, send, group=group)
+    assert collective == "p2p", collective
+    send = torch.ones(count, device=device, dtype=dtype)
+    recv = torch.empty_like(send)
+    me = members.index(rank)
+    peer_to, peer_from = members[(me + 1) % n], members[(me - 1) % n]
+
+    def sendrecv() -> None:
+        ops = [dist.P2POp(dist.isend, send, peer_to, group=group),
+               dist.P2POp(dist.irecv, recv, peer_from, group=group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return sendrecv
+
+
+_PLACEHOLDER = Measurement("all_reduce", "cpu", "fp32", "", 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+
+
+# --------------------------------------------------------------------------- launcher
+
+@dataclass(frozen=True)
+class LaunchResult:
+    rows: list[Measurement]
+    error: Optional[str]
+    """None when every rank finished; otherwise what went wrong (rows measured before it are kept)."""
+    log_path: Path
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End torchrun and every rank it started (they share its process group)."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _last_error_line(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if "exitcode" in line or "Error" in line or "error" in line:
+            return line[:200]
+    return lines[-1][:200] if lines else ""
+
+
+def run_collectives_subprocess(nproc: int, device_kind: str, quick: bool, level_names: list[str],
+                               level_devices: list[int], workdir: Path, stall_s: float = 120.0,
+                               total_timeout_s: float = 3600.0,
+                               progress: Optional[Callable[[int], None]] = None) -> LaunchResult:
+    """Run the worker on `nproc` local ranks via `python -m torch.distributed.run`; never raises on rank failure."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "collectives.partial.csv"
+    out.unlink(missing_ok=True)
+    log = workdir / "collectives.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "-m", "calibration.collectives", "--out", str(out), "--device", device_kind,
+           "--levels", ",".join(f"{n}:{d}" for n, d in zip(level_names, level_devices))]
+    if quick:
+        cmd.append("--quick")
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]))
+    with log.open("w") as handle:
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    started = last_change = time.monotonic()
+    seen = 0
+    error: Optional[str] = None
+    try:
+        while True:
+            rc = proc.poll()
+            count = _count_rows(out)
+            if count != seen:
+                if progress is not None:
+                    progress(count - seen)
+                seen, last_change = count, time.monotonic()
+            if rc is not None:
+                if rc != 0:
+                    detail = _last_error_line(log)
+                    error = (f"a rank of the collective benchmark failed (torchrun exit code {rc}"
+                             f"{': ' + detail if detail else ''}); full log: {log}")
+                break
+            now = time.monotonic()
+            if now - last_change > stall_s:
+                error = (f"the collective benchmark made no progress for {stall_s:.0f} s (a rank hung or died); "
+                         f"killed it; log: {log}")
+                break
+            if now - started > total_timeout_s:
+                error = f"the collective benchmark exceeded its {total_timeout_s:.0f} s limit; killed it; log: {log}"
+                break
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)
+    rows = read_csv(out, required=False)
+    if progress is not None and len(rows) > seen:
+        progress(len(rows) - seen)
+    return LaunchResult(rows=rows, error=error, log_path=log)
+
+
+def _count_rows(path: Path) -> int:
+    try:
+        with path.open("rb") as handle:
+            return max(0, sum(1 for _ in handle) - 1)
+    except OSError:
+        return 0
+
+
+def _parse_levels(text: str) -> tuple[list[str], list[int]]:
+    names, devices = [], []
+    for item in text.split(","):
+        name, _, count = item.partition(":")
+        names.append(name)
+        devices.append(int(count))
+    return names, devices
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description="MOSAIC collective benchmarks (run under torchrun)")
+    parser.add_argument("--out", required=True, type=Path, help="CSV that rank 0 appends measurements to")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--levels", default="host:1024", help="cluster levels innermost first, name:devices,...")
+    args = parser.parse_args(argv)
+    names, devices = _parse_levels(args.levels)
+    worker(args.out, args.device, args.quick, names, devices)
+
+
+if __name__ == "__main__":
+    main()

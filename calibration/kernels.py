@@ -1,0 +1,268 @@
+"""Kernel microbenchmarks: dense GEMM, grouped expert GEMM, causal SDPA, memory, launch.
+
+Each benchmark is a `KernelPoint` (kind, precision, shape); `kernel_plan`
+lists the grid for a device (smaller with `quick`), `run_point` times one
+point and returns a `Measurement`. FLOP conventions match perfmodel: a GEMM
+(M x K)(K x N) is 2MNK; a causal attention forward is half of the
+4 * b * heads * s^2 * head_dim of the full score and value products.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from calibration.measurements import Measurement
+from calibration.stats import summarize
+from calibration.timing import Budget, synchronize, time_call, time_samples
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LAUNCH_BATCH = 100
+"""Tiny kernels issued back to back per launch-latency sample."""
+
+
+@dataclass(frozen=True)
+class KernelPoint:
+    kind: str
+    precision: str
+    shape: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.precision} " + " ".join(f"{k}={v:g}" for k, v in self.shape.items())
+
+
+# --------------------------------------------------------------------------- precisions
+
+def _fp8_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """FP8 (e4m3) GEMM through torch._scaled_mm, unit scales, bf16 output."""
+    one = torch.ones((), device=a_MK.device, dtype=torch.float32)
+    return torch._scaled_mm(a_MK, b_KN, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def _make_fp8(M: int, N: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.randn(M, K, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(N, K, device=device).to(torch.float8_e4m3fn).t()  # column-major (K, N) as _scaled_mm wants
+    return a, b
+
+
+def supported_precisions(device: torch.device) -> tuple[list[str], dict[str, str]]:
+    """Precisions whose GEMM runs on `device`, and why each other one was skipped."""
+    ok: list[str] = []
+    skipped: dict[str, str] = {}
+    candidates = ["fp32", "bf16"] if device.type == "cpu" else ["fp32", "bf16", "fp16", "fp8"]
+    if device.type == "cpu":
+        skipped["fp16"] = "not measured on cpu (no fp16 GEMM units the planner would use)"
+        skipped["fp8"] = "no fp8 GEMM on cpu"
+    for precision in candidates:
+        try:
+            if precision == "fp8":
+                if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+                    raise RuntimeError("this torch build has no torch._scaled_mm")
+                _fp8_matmul(*_make_fp8(32, 32, 32, device))
+            else:
+                a = torch.ones(16, 16, device=device, dtype=DTYPES[precision])
+                a @ a
+            synchronize(device)
+            ok.append(precision)
+        except Exception as exc:  # the device or build lacks it: say why, keep going
+            skipped[precision] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    return ok, skipped
+
+
+def main_precision(precisions: list[str]) -> str:
+    """The training precision to use for grouped GEMM and attention: bf16 when present."""
+    return "bf16" if "bf16" in precisions else precisions[0]
+
+
+# --------------------------------------------------------------------------- grids
+
+def gemm_shapes(device: torch.device, quick: bool) -> list[tuple[int, int, int]]:
+    """(M, N, K): squares over the device's useful range plus skinny/rectangular shapes."""
+    if device.type == "cpu":
+        squares = [16, 32, 64, 128, 256, 512, 768, 1024] + ([] if quick else [1536, 2048])
+        rect = [(32, 512, 512), (2048, 128, 128), (128, 1024, 256), (512, 256, 1024)]
+        if not quick:
+            rect += [(8, 1024, 1024), (4096, 256, 512), (256, 2048, 512), (1024, 512, 2048)]
+    else:
+        squares = [256, 512, 1024, 2048, 4096, 8192] + ([] if quick else [128, 3072, 6144, 12288, 16384])
+        rect = [(64, 8192, 8192), (16384, 1024, 1024), (4096, 14336, 4096), (8192, 4096, 14336)]
+        if not quick:
+            rect += [(16, 8192, 8192), (512, 8192, 8192), (2048, 28672, 8192), (32768, 2048, 2048)]
+    return sorted({(s, s, s) for s in squares} | set(rect), key=lambda mnk: mnk[0] * mnk[1] * mnk[2])
+
+
+def kernel_plan(device: torch.device, quick: bool, precisions: list[str]) -> list[KernelPoint]:
+    """Every kernel point to time on `device`, cheapest first within each kind."""
+    points: list[KernelPoint] = []
+    main = main_precision(precisions)
+    for precision in precisions:
+        for M, N, K in gemm_shapes(device, quick):
+            if precision == "fp8" and (M % 16 or N % 16 or K % 16):
+                continue
+            points.append(KernelPoint("gemm", precision, {"M": M, "N": N, "K": K}))
+    cpu = device.type == "cpu"
+    experts = [4, 8] if cpu else ([8, 64] if quick else [8, 32, 128])
+    tokens = [32, 128, 512] if cpu else ([128, 1024] if quick else [64, 256, 1024, 4096])
+    hidden, width = (256, 256) if cpu else (2048, 1408)
+    for e in experts:
+        for t in tokens:
+            for imbalance in (1.0, 2.0):
+                points.append(KernelPoint("grouped_gemm", main, {"E": e, "T": t, "K": hidden, "N": width, "imbalance": imbalance}))
+    seqs = [128, 256, 512] if cpu else ([1024, 4096] if quick else [512, 1024, 2048, 4096, 8192])
+    heads = [4] if cpu else [16, 32]
+    head_dims = [64] if cpu else ([128] if quick else [64, 128])
+    for s in seqs:
+        for h in heads:
+            for d in head_dims:
+                points.append(KernelPoint("sdpa", main, {"B": 1, "H": h, "S": s, "D": d}))
+    buffers = [2**k for k in range(14, 27, 2)] if cpu else [2**k for k in range(16, 31, 2)]
+    if quick:
+        buffers = buffers[::2] + ([buffers[-1]] if len(buffers) % 2 == 0 else [])
+    for kind in ("mem_copy", "mem_add"):
+        for nbytes in buffers:
+            points.append(KernelPoint(kind, "fp32", {"bytes": nbytes}))
+    points.append(KernelPoint("launch", "fp32", {"batch": LAUNCH_BATCH}))
+    return points
+
+
+# --------------------------------------------------------------------------- grouped GEMM
+
+def expert_token_counts(experts: int, tokens_per_expert: int, imbalance: float, align: int = 1) -> list[int]:
+    """Tokens per expert with one hot expert: it gets imbalance x mean, the rest share the remainder.
+
+    `imbalance` = max / mean load (1 = balanced, at most `experts`); counts are
+    rounded to multiples of `align` and sum to experts * tokens_per_expert
+    (rounded the same way).
+    """
+    assert 1.0 <= imbalance <= experts, "imbalance must be in [1, experts]"
+    total = experts * tokens_per_expert
+    hot = imbalance * tokens_per_expert
+    rest = (total - hot) / (experts - 1) if experts > 1 else 0.0
+    raw = np.array([hot] + [rest] * (experts - 1))
+    counts = (np.floor(raw / align) * align).astype(int)
+    shortfall = (total // align) * align - counts.sum()
+    counts[0] += int(shortfall)  # the hot expert absorbs the rounding
+    return counts.tolist()
+
+
+def grouped_mm_reference(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Readable reference: one matmul per expert over its contiguous slice of tokens."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        outs.append(x_TK[start:start + n] @ w_EKN[e])
+        start += n
+    return torch.cat(outs)
+
+
+def grouped_mm_bmm(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Fallback: pad every expert to the largest count and run one batched matmul."""
+    E, K, _ = w_EKN.shape
+    longest = max(counts)
+    padded_ETK = x_TK.new_zeros(E, longest, K)
+    start = 0
+    for e, n in enumerate(counts):
+        padded_ETK[e, :n] = x_TK[start:start + n]
+        start += n
+    out_ETN = torch.bmm(padded_ETK, w_EKN)
+    return torch.cat([out_ETN[e, :n] for e, n in enumerate(counts)])
+
+
+def grouped_mm_fast(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """torch's grouped matmul: (T, K) x (E, K, N) with int32 end offsets per expert -> (T, N)."""
+    return F.grouped_mm(x_TK, w_EKN, offs=offsets)  # type: ignore[attr-defined]
+
+
+def grouped_impl(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """Which grouped GEMM this build runs on `device`: ('grouped_mm', '') or ('bmm', why not)."""
+    if not hasattr(F, "grouped_mm"):
+        return "bmm", f"torch {torch.__version__} has no torch.nn.functional.grouped_mm; padded bmm fallback"
+    try:
+        x = torch.ones(32, 16, device=device, dtype=dtype)
+        w = torch.ones(2, 16, 16, device=device, dtype=dtype)
+        grouped_mm_fast(x, w, torch.tensor([16, 32], device=device, dtype=torch.int32))
+        synchronize(device)
+        return "grouped_mm", ""
+    except Exception as exc:
+        return "bmm", f"torch.nn.functional.grouped_mm failed on {device.type}/{dtype} ({type(exc).__name__}); padded bmm fallback"
+
+
+# --------------------------------------------------------------------------- runners
+
+def _gemm_fn(point: KernelPoint, device: torch.device) -> Callable[[], Any]:
+    M, N, K = (int(point.shape[k]) for k in ("M", "N", "K"))
+    if point.precision == "fp8":
+        a, b = _make_fp8(M, N, K, device)
+        return lambda: _fp8_matmul(a, b)
+    dtype = DTYPES[point.precision]
+    a = torch.randn(M, K, device=device, dtype=dtype)
+    b = torch.randn(K, N, device=device, dtype=dtype)
+    out = torch.empty(M, N, device=device, dtype=dtype)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def run_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
+    """Time one kernel point on `device` and return its measurement."""
+    shape = dict(point.shape)
+    kind = point.kind
+    if kind == "gemm":
+        fn = _gemm_fn(point, device)
+        flops = 2.0 * shape["M"] * shape["N"] * shape["K"]
+        return Measurement.from_stats(kind, device.type, point.precision, shape, flops, 0.0, time_call(fn, device, budget))
+    if kind == "grouped_gemm":
+        dtype = DTYPES[point.precision]
+        E, T, K, N = (int(shape[k]) for k in ("E", "T", "K", "N"))
+        counts = expert_token_counts(E, T, shape["imbalance"], align=1 if device.type == "cpu" else 16)
+        x = torch.randn(sum(counts), K, device=device, dtype=dtype)
+        w = torch.randn(E, K, N, device=device, dtype=dtype)
+        impl, _ = grouped_impl(device, dtype)
+        if impl == "grouped_mm":
+            offsets = torch.tensor(np.cumsum(counts), device=device, dtype=torch.int32)
+            fn = lambda: grouped_mm_fast(x, w, offsets)  # noqa: E731
+        else:
+            fn = lambda: grouped_mm_bmm(x, w, counts)  # noqa: E731
+        flops = 2.0 * sum(counts) * K * N
+        return Measurement.from_stats(kind, device.type, point.precision, shape, flops, 0.0,
+                                      time_call(fn, device, budget), impl=impl)
+    if kind == "sdpa":
+        dtype = DTYPES[point.precision]
+        B, H, S, D = (int(shape[k]) for k in ("B", "H", "S", "D"))
+        q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype) for _ in range(3))
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        flops = 4.0 * B * H * S * S * D / 2.0  # causal forward: half of QK^T and PV
+        return Measurement.from_stats(kind, device.type, point.precision, shape, flops, 0.0, time_call(fn, device, budget))
+    if kind in ("mem_copy", "mem_add"):
+        n = int(shape["bytes"]) // 4
+        a = torch.rand(n, device=device)
+        b = torch.rand(n, device=device)
+        c = torch.empty(n, device=device)
+        if kind == "mem_copy":
+            fn, moved = (lambda: c.copy_(a)), 2.0 * n * 4
+        else:
+            fn, moved = (lambda: torch.add(a, b, out=c)), 3.0 * n * 4
+        return Measurement.from_stats(kind, device.type, point.precision, shape, 0.0, moved, time_call(fn, device, budget))
+    if kind == "launch":
+        x = torch.zeros(1, device=device)
+        batch = int(shape["batch"])
+
+        def launches() -> None:
+            for _ in range(batch):
+                x.add_(1.0)
+            synchronize(device)
+
+        # Host clock on purpose: dispatch cost is host time (kernels this small are not the bound).
+        samples = time_samples(launches, torch.device("cpu"), budget)
+        stats = summarize([s / batch for s in samples])
+        return Measurement.from_stats(kind, device.type, point.precision, shape, 0.0, 0.0, stats)
+    raise AssertionError(f"unknown kernel kind {kind}")
+
+
+__all__ = [
+    "KernelPoint", "expert_token_counts", "gemm_shapes", "grouped_impl", "grouped_mm_bmm", "grouped_mm_fast",
+    "grouped_mm_reference", "kernel_plan", "main_precision", "run_point", "supported_precisions",
+]
