@@ -11,7 +11,9 @@ from typing import Optional
 import typer
 
 from mosaic import __version__
+from mosaic.cli import calibrate as calibrate_cmd
 from mosaic.cli import clusters as clusters_cmd
+from mosaic.cli import train as train_cmd
 from mosaic.cli.common import set_debug
 
 app = typer.Typer(
@@ -40,6 +42,8 @@ def _root(
 
 app.command("clusters")(clusters_cmd.clusters)
 app.command("show-cluster")(clusters_cmd.show_cluster)
+app.command("train")(train_cmd.train)
+app.command("calibrate")(calibrate_cmd.calibrate)
 
 
 def main() -> None:

@@ -1,0 +1,166 @@
+"""`mosaic calibrate` end to end: kernels, collectives, fit, write (the CLI is a thin shell over `calibrate`).
+
+Order: kernel microbenchmarks in this process (one thread per rank on cpu,
+as torchrun runs ranks), then the collectives, either in this process when
+already under torchrun or in a `python -m torch.distributed.run` subprocess
+with `nproc` ranks. Measurements are written to the CSV even when a rank fails
+(then a `MosaicRuntimeError` names it and the CSV); the profile is written only
+from a complete run.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from calibration.measurements import Measurement, read_csv, write_csv
+from calibration.profile import Provenance, measurements_path, write_calibrated
+from perfmodel.clusters import load_cluster
+from perfmodel.errors import InputError, MosaicRuntimeError
+from perfmodel.specs.cluster import ClusterSpec
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    output: Path
+    csv: Path
+    spec: ClusterSpec
+    report: Optional[Path]
+    rows: list[Measurement]
+
+
+Progress = Callable[[str, int, int], None]
+"""progress(phase, advance, total): called as points complete."""
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def driver_version(device_kind: str) -> str:
+    import torch
+
+    if device_kind == "cuda":
+        return f"cuda {torch.version.cuda}"
+    if device_kind == "npu":
+        return f"torch_npu {getattr(__import__('torch_npu'), '__version__', '?')}"
+    return "none (cpu)"
+
+
+def run_kernels(device_kind: str, quick: bool, threads: Optional[int], progress: Optional[Progress] = None,
+                local_rank: int = 0) -> tuple[list[Measurement], dict[str, str], str]:
+    """Time the kernel grid; returns (rows, notes, device name)."""
+    import torch
+
+    from calibration.kernels import grouped_impl, kernel_plan, main_precision, run_point, supported_precisions
+    from calibration.timing import Budget, device_name, resolve_device
+
+    device = resolve_device(device_kind, local_rank)
+    previous_threads = torch.get_num_threads()
+    if device.type == "cpu" and threads:
+        torch.set_num_threads(threads)
+    try:
+        precisions, skipped = supported_precisions(device)
+        notes = {f"skipped_{p}": why for p, why in skipped.items()}
+        impl, why = grouped_impl(device, {"fp32": torch.float32, "bf16": torch.bfloat16}[main_precision(precisions)])
+        notes["grouped_gemm_impl"] = impl if not why else f"{impl}: {why}"
+        budget = Budget(warmup=1, min_repeats=5, max_repeats=15, max_seconds=0.15) if quick else Budget()
+        plan = kernel_plan(device, quick, precisions)
+        rows = []
+        for point in plan:
+            rows.append(run_point(point, device, budget))
+            if progress:
+                progress("kernels", 1, len(plan))
+        return rows, notes, device_name(device)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def calibrate(base: str, device_kind: str = "cpu", quick: bool = False, nproc: int = 2,
+              output: Path = Path("calibrated.yaml"), report_dir: Optional[Path] = None,
+              threads: Optional[int] = 1, stall_s: float = 120.0, total_timeout_s: float = 3600.0,
+              measurements: Optional[Path] = None, progress: Optional[Progress] = None) -> CalibrationResult:
+    """Measure (or read `measurements`), fit, and write the calibrated cluster file."""
+    spec = load_cluster(base)  # fail on a bad base before measuring anything
+    if nproc < 1:
+        raise InputError(f"--nproc {nproc}: must be >= 1 (2 or more to measure collectives)")
+    output = Path(output)
+    if output.suffix not in (".yaml", ".yml"):
+        raise InputError(f"-o {output}: the calibrated cluster must be a .yaml file")
+    import torch
+
+    level_names = [lvl.name for lvl in spec.levels]
+    level_devices = [lvl.devices for lvl in spec.levels]
+    if measurements is not None:
+        rows = read_csv(measurements)
+        notes = {"refit_from": str(measurements)}
+        name, ranks = "unknown (refit from CSV)", max([r.ranks for r in rows] + [1])
+        device_kind = rows[0].device if rows else device_kind
+    elif under_torchrun():
+        rows, notes, name, ranks = _calibrate_in_torchrun(device_kind, quick, threads, level_names, level_devices,
+                                                          output, progress)
+        if rows is None:
+            return None  # type: ignore[return-value]  # ranks other than 0 write nothing
+    else:
+        rows, notes, name = run_kernels(device_kind, quick, threads, progress)
+        ranks = nproc
+        if nproc >= 2:
+            from calibration.collectives import plan_size, run_collectives_subprocess
+
+            total = plan_size(nproc, nproc, quick, device_kind)
+            with tempfile.TemporaryDirectory(prefix="mosaic-calibrate-") as work:
+                launched = run_collectives_subprocess(
+                    nproc, device_kind, quick, level_names, level_devices, Path(work), stall_s=stall_s,
+                    total_timeout_s=total_timeout_s,
+                    progress=(lambda n: progress("collectives", n, total)) if progress else None)
+                rows += launched.rows
+                if launched.error is not None:
+                    log_copy = output.with_name(f"{output.stem}.collectives.log")
+                    log_copy.parent.mkdir(parents=True, exist_ok=True)
+                    log_copy.write_text(launched.log_path.read_text(errors="replace"))
+                    csv = write_csv(measurements_path(output), rows)
+                    raise MosaicRuntimeError(
+                        f"{launched.error.replace(str(launched.log_path), str(log_copy))}; "
+                        f"{len(rows)} measurements kept in {csv} (refit later with `mosaic calibrate "
+                        f"--measurements {csv}`); no profile written")
+        else:
+            notes["collectives"] = "not measured (--nproc 1); fabric levels keep their base figures"
+    provenance = Provenance(device=device_kind, device_name=name, ranks=ranks, torch_version=torch.__version__,
+                            driver=driver_version(device_kind) if measurements is None else "unknown",
+                            threads_per_rank=threads if device_kind == "cpu" else None, quick=quick, notes=notes)
+    out, csv, calibrated = write_calibrated(base, rows, provenance, output)
+    report = None
+    if report_dir is not None:
+        from calibration.report import write_report
+
+        report = write_report(Path(report_dir), rows, calibrated, out)
+    return CalibrationResult(output=out, csv=csv, spec=calibrated, report=report, rows=rows)
+
+
+def _calibrate_in_torchrun(device_kind: str, quick: bool, threads: Optional[int], level_names: list[str],
+                           level_devices: list[int], output: Path,
+                           progress: Optional[Progress]) -> tuple[Any, dict[str, str], str, int]:
+    """Already under torchrun: every rank times kernels on its device, then the collectives; rank 0 keeps rows."""
+    from calibration.collectives import worker
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rows, notes, name = run_kernels(device_kind, quick, threads, progress if rank == 0 else None,
+                                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    partial = output.with_name(f"{output.stem}.collectives.partial.csv")
+    if rank == 0:
+        partial.unlink(missing_ok=True)
+    if world >= 2:
+        collective_rows = worker(partial, device_kind, quick, level_names, level_devices)
+        rows = rows + collective_rows
+    if rank != 0:
+        return None, notes, name, world
+    partial.unlink(missing_ok=True)
+    return rows, notes, name, world
+
+
+__all__ = ["CalibrationResult", "calibrate", "run_kernels", "under_torchrun"]
