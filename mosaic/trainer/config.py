@@ -1,0 +1,208 @@
+"""What one training run is: `TrainOptions` + `RunConfig`, read and checked without torch.
+
+`mosaic train` builds a `RunConfig` from a plan (or a model file and a layout
+string), checks it here BEFORE any process starts (`check_runnable`: the
+shared validity rules of perfmodel plus what this trainer can run), writes it
+as ``DIR/run.yaml`` and hands that file to every rank
+(``python -m mosaic.trainer.train DIR/run.yaml``). Calibration reads the same
+file (`mosaic calibrate --from-runs`): resolved model, layout, cluster name,
+device, world size, versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from perfmodel import validity
+from perfmodel.errors import InputError
+from perfmodel.specs.architecture import MoEArchitecture
+from perfmodel.specs.layout import ParallelLayout
+from perfmodel.specs.strict import check, from_mapping, read_yaml, to_mapping
+
+RUN_VERSION = 1
+DEVICES = ("cpu", "cuda", "npu")
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+Router = Literal["softmax", "sigmoid"]
+ExpertsImpl = Literal["grouped", "loop"]
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Knobs of the training loop that are not part of the model or the layout."""
+
+    steps: int = 100
+    """Optimizer steps to run (in total, counting steps done before a resume)."""
+    seed: int = 0
+    """Seeds the weights and the synthetic data; equal seeds give equal runs for any layout."""
+    lr: float = 3.0e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 0
+    """Linear warm-up steps, then cosine decay to 10% of lr at `steps`."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices (not on norms and biases)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    router: Router = "softmax"
+    """softmax top-k with the Switch/GShard auxiliary loss, or sigmoid with DeepSeek-V3 bias balancing."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (softmax router; Switch Transformer uses 0.01)."""
+    bias_update_rate: float = 1.0e-3
+    """gamma of the sigmoid router's bias update (DeepSeek-V3 uses 0.001)."""
+    experts: ExpertsImpl = "grouped"
+    """grouped: one grouped GEMM over tokens sorted by expert; loop: the readable reference."""
+    data: str = "synthetic"
+    """'synthetic' (seeded Markov tokens) or a token file NAME.bin with its NAME.idx.npz index."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end of the run)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept on disk (older ones are deleted)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in DIR/checkpoints."""
+    progress: bool = True
+    """Rich progress display on rank 0."""
+
+    def __post_init__(self) -> None:
+        check(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}", "give a positive step count")
+        check(self.lr > 0, "lr", f"must be > 0, got {self.lr}", "use e.g. 3e-4")
+        check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0", "give 0 or a positive count")
+        check(self.weight_decay >= 0 and self.grad_clip >= 0, "weight_decay", "must be >= 0", "give 0 or a positive value")
+        check(self.aux_loss_coef >= 0 and self.bias_update_rate >= 0, "aux_loss_coef", "must be >= 0", "give 0 or a positive value")
+        check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0", "give 0 (end only) or a step interval")
+        check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1", "keep at least one checkpoint")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a rank needs: the content of DIR/run.yaml."""
+
+    model: MoEArchitecture
+    layout: ParallelLayout
+    """Resolved (dp and gbs filled)."""
+    cluster: str
+    """Cluster name or file: the source of the device peak for MFU."""
+    device: str
+    """cpu, cuda or npu."""
+    world_size: int
+    precision: str
+    """The precision the trainer actually computes in (cpu: always fp32)."""
+    out_dir: str
+    train: TrainOptions = field(default_factory=TrainOptions)
+    versions: dict[str, str] = field(default_factory=dict)
+    """mosaic, torch, python (and torch_npu) versions of the run."""
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.device]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": RUN_VERSION, **to_mapping(self)}
+
+
+def trainer_precision(layout: ParallelLayout, device: str) -> str:
+    """Precision part 1 of the trainer computes in: fp32 on cpu, else fp32 or bf16 autocast."""
+    if device == "cpu":
+        return "fp32"
+    if layout.precision in ("fp8", "mxfp8"):
+        raise InputError(f"layout: precision={layout.precision} needs trainer part 2 (fp8 through torchao); "
+                         "use precision=bf16 for now")
+    return "fp32" if layout.precision == "fp32" else "bf16"
+
+
+def check_runnable(model: MoEArchitecture, layout: ParallelLayout, devices: int) -> ParallelLayout:
+    """Every reason this (model, layout, devices) cannot run, as one InputError; else the resolved layout.
+
+    Uses the shared validity rules (`perfmodel.validity.violations`) and adds what
+    trainer part 1 cannot run yet (tensor, pipeline, context and expert-tensor parallel).
+    """
+    resolved = layout.resolve(devices) if layout.dp is None or layout.gbs is None else layout
+    problems = validity.violations(model, resolved, devices)
+    unsupported = [f"{name}={getattr(resolved, name)}" for name in ("tp", "pp", "cp", "etp")
+                   if getattr(resolved, name) > 1]
+    if unsupported:
+        problems.append(f"{', '.join(unsupported)}: tensor, pipeline, context and expert-tensor parallel come with "
+                        "trainer part 2; use tp=pp=cp=etp=1 (data and expert parallel) for now")
+    if problems:
+        raise InputError("layout cannot run: " + "; ".join(problems))
+    return resolved
+
+
+def model_from_mapping(data: Any, source: str) -> MoEArchitecture:
+    if not isinstance(data, Mapping):
+        raise InputError(f"{source}: key 'model' must be a mapping of MoEArchitecture keys")
+    try:
+        return from_mapping(MoEArchitecture, data)
+    except InputError as exc:
+        raise InputError(f"{source}: model: {exc}") from None
+
+
+def layout_from_mapping(data: Any, source: str) -> ParallelLayout:
+    if not isinstance(data, Mapping):
+        raise InputError(f"{source}: key 'layout' must be a mapping of ParallelLayout keys")
+    try:
+        return from_mapping(ParallelLayout, data)
+    except InputError as exc:
+        raise InputError(f"{source}: layout: {exc}") from None
+
+
+def _check_version(data: Mapping[str, Any], source: str) -> None:
+    if "version" not in data:
+        raise InputError(f"{source}: missing key 'version'; add 'version: {RUN_VERSION}' at the top")
+    if data["version"] != RUN_VERSION:
+        raise InputError(f"{source}: key 'version': {data['version']!r} is not supported; this MOSAIC reads version {RUN_VERSION}")
+
+
+def load_plan(path: str | Path) -> tuple[MoEArchitecture, ParallelLayout, Optional[str]]:
+    """The model, layout and cluster name of a plan YAML (other sections are the planner's)."""
+    source = str(path)
+    data = read_yaml(path)
+    _check_version(data, source)
+    for key in ("model", "layout"):
+        if key not in data:
+            raise InputError(f"{source}: missing key '{key}'; a plan needs 'model' and 'layout' mappings")
+    cluster = data.get("cluster")
+    if isinstance(cluster, Mapping):
+        cluster = cluster.get("name")
+    if cluster is not None and not isinstance(cluster, str):
+        raise InputError(f"{source}: key 'cluster' must be a cluster name or a mapping with 'name'")
+    return model_from_mapping(data["model"], source), layout_from_mapping(data["layout"], source), cluster
+
+
+def load_model_file(path: str | Path) -> MoEArchitecture:
+    """A model YAML: `version: 1` plus the MoEArchitecture keys (or a `model:` mapping)."""
+    source = str(path)
+    data = read_yaml(path)
+    _check_version(data, source)
+    body = {k: v for k, v in data.items() if k != "version"}
+    if set(body) == {"model"}:
+        body = body["model"]
+    return model_from_mapping(body, source)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read DIR/run.yaml strictly (what every rank does first)."""
+    source = str(path)
+    data = dict(read_yaml(path))
+    _check_version(data, source)
+    data.pop("version")
+    try:
+        return from_mapping(RunConfig, data)
+    except InputError as exc:
+        raise InputError(f"{source}: {exc}") from None
+
+
+def same_run(a: RunConfig, b: RunConfig) -> list[str]:
+    """Fields that must not change across a resume and did."""
+    changed = [name for name in ("model", "layout", "world_size", "device", "precision") if getattr(a, name) != getattr(b, name)]
+    for name in ("seed", "router", "data", "experts"):
+        if getattr(a.train, name) != getattr(b.train, name):
+            changed.append(f"train.{name}")
+    return changed
+
+
+def replace_train(config: RunConfig, **changes: Any) -> RunConfig:
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, **changes))

@@ -1,0 +1,190 @@
+"""Training data: seeded synthetic tokens and packed token files, indexed by global sample.
+
+Both sources are stateless maps `sample(j) -> Sample` over a global sample index
+j = 0, 1, 2, ...; step t uses samples [t*gbs, (t+1)*gbs), data-parallel rank r
+takes its contiguous gbs/dp share and splits it into micro-batches of mbs. The
+data position of a run is therefore just the step, and the same seed gives the
+same global batch for every layout (what the parity tests rely on).
+
+Token file format (`write_token_file`): ``NAME.bin`` holds every token of the
+corpus, documents back to back, as raw uint16 or uint32; ``NAME.idx.npz`` holds
+``offsets`` (int64, n_docs + 1: document d is tokens [offsets[d], offsets[d+1]))
+and ``dtype``. Document boundaries come from this index, never from scanning for
+an EOS token. The corpus is cut into consecutive chunks of seq_len tokens (the
+last one padded); an epoch visits every chunk once in a seeded order, so every
+token is delivered as an input exactly once per epoch. Labels never cross a
+document boundary (-100 there), attention is masked to the document, and RoPE
+positions restart at each document start inside a chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from perfmodel.errors import InputError
+
+IGNORE = -100
+"""Label of positions without a target (document end, padding): skipped by the loss."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    tokens: np.ndarray
+    """(T,) int64 inputs."""
+    labels: np.ndarray
+    """(T,) int64 next tokens, IGNORE where there is none."""
+    positions: np.ndarray
+    """(T,) int64 RoPE positions."""
+    doc_ids: Optional[np.ndarray] = None
+    """(T,) int64 document of each position (-1 for padding); None: one document."""
+
+
+class SyntheticTokens:
+    """Seeded Markov tokens with learnable structure.
+
+    A fixed random permutation `succ` of the vocabulary (from the seed): the next
+    token is succ[current] with probability `p_follow`, else uniform. A model can
+    learn it, so the loss falls from ln V towards the chain's entropy
+    -(p + (1-p)/V) ln(p + (1-p)/V) - (V-1) * ((1-p)/V) ln((1-p)/V).
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, p_follow: float = 0.8):
+        self.vocab_size, self.seq_len, self.seed, self.p_follow = vocab_size, seq_len, seed, p_follow
+        self.succ = np.random.default_rng([seed, 0x5EED]).permutation(vocab_size)
+
+    def entropy_nats(self) -> float:
+        """Per-token entropy of the chain: the loss floor."""
+        v, p = self.vocab_size, self.p_follow
+        q_follow = p + (1 - p) / v
+        q_other = (1 - p) / v
+        return float(-q_follow * np.log(q_follow) - (v - 1) * q_other * np.log(q_other))
+
+    def batch(self, indices: Sequence[int]) -> list[Sample]:
+        T = self.seq_len
+        rows = []
+        for j in indices:  # each sample from its own stream: independent of batching
+            rng = np.random.default_rng([self.seed, int(j)])
+            rows.append((rng.integers(self.vocab_size), rng.random(T), rng.integers(self.vocab_size, size=T)))
+        seq = np.empty((len(rows), T + 1), dtype=np.int64)
+        seq[:, 0] = [r[0] for r in rows]
+        follow = np.stack([r[1] for r in rows]) < self.p_follow
+        noise = np.stack([r[2] for r in rows])
+        for t in range(T):  # vectorised over the batch
+            seq[:, t + 1] = np.where(follow[:, t], self.succ[seq[:, t]], noise[:, t])
+        positions = np.arange(T, dtype=np.int64)
+        return [Sample(tokens=s[:-1].copy(), labels=s[1:].copy(), positions=positions) for s in seq]
+
+
+def write_token_file(path: str | Path, documents: Sequence[Sequence[int]], dtype: str = "uint16") -> Path:
+    """Write NAME.bin + NAME.idx.npz (each through a temp file and a rename)."""
+    import os
+
+    if dtype not in ("uint16", "uint32"):
+        raise InputError(f"token file dtype {dtype!r}: use uint16 or uint32")
+    path = Path(path)
+    lengths = np.asarray([len(d) for d in documents], dtype=np.int64)
+    if (lengths == 0).any():
+        raise InputError(f"{path}: empty documents cannot be indexed; drop them")
+    tokens = np.concatenate([np.asarray(d, dtype=np.int64) for d in documents]) if len(documents) else np.zeros(0, np.int64)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
+        raise InputError(f"{path}: token ids out of range for {dtype}; use uint32")
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_bin = path.with_name(f".{path.name}.tmp")
+    tokens.astype(dtype).tofile(tmp_bin)
+    index = index_path(path)
+    tmp_idx = index.with_name(f".{index.name}.tmp.npz")
+    np.savez(tmp_idx, offsets=offsets, dtype=np.asarray(dtype), max_token=np.asarray(int(tokens.max()) if tokens.size else -1))
+    os.replace(tmp_bin, path)
+    os.replace(tmp_idx, index)
+    return path
+
+
+def index_path(path: str | Path) -> Path:
+    path = Path(path)
+    stem = path.name[:-4] if path.name.endswith(".bin") else path.name
+    return path.with_name(f"{stem}.idx.npz")
+
+
+class TokenFile:
+    """A packed token file read through numpy memmap, cut into seq_len chunks."""
+
+    def __init__(self, path: str | Path, seq_len: int, seed: int):
+        self.path, self.seq_len, self.seed = Path(path), seq_len, seed
+        index = index_path(self.path)
+        if not self.path.is_file():
+            raise InputError(f"data: token file {self.path} not found; give NAME.bin written by write_token_file")
+        if not index.is_file():
+            raise InputError(f"data: index {index} not found; token files need their NAME.idx.npz document index")
+        with np.load(index) as meta:
+            self.offsets = meta["offsets"].astype(np.int64)
+            dtype = str(meta["dtype"])
+            self.max_token = int(meta["max_token"])
+        self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
+        if self.offsets[0] != 0 or self.offsets[-1] != self.tokens.size or (np.diff(self.offsets) <= 0).any():
+            raise InputError(f"data: index {index} does not match {self.path} ({self.tokens.size} tokens); rewrite both")
+        self.n_tokens = int(self.tokens.size)
+        self.n_chunks = -(-self.n_tokens // seq_len)
+
+    def _chunk_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_chunks)
+
+    def sample(self, j: int) -> Sample:
+        epoch, slot = divmod(int(j), self.n_chunks)
+        chunk = int(self._chunk_order(epoch)[slot])
+        T = self.seq_len
+        start = chunk * T
+        end = min(start + T, self.n_tokens)
+        n = end - start
+        pos = np.arange(start, end, dtype=np.int64)
+        doc = np.searchsorted(self.offsets, pos, side="right") - 1
+        tokens = np.zeros(T, dtype=np.int64)
+        tokens[:n] = self.tokens[start:end]
+        labels = np.full(T, IGNORE, dtype=np.int64)
+        nxt = np.minimum(pos + 1, self.n_tokens - 1)
+        same_doc = (pos + 1 < self.n_tokens) & (np.searchsorted(self.offsets, nxt, side="right") - 1 == doc)
+        labels[:n] = np.where(same_doc, self.tokens[nxt].astype(np.int64), IGNORE)
+        doc_ids = np.full(T, -1, dtype=np.int64)
+        doc_ids[:n] = doc
+        positions = np.zeros(T, dtype=np.int64)
+        segment_start = np.maximum(self.offsets[doc], start)  # document start inside this chunk
+        positions[:n] = pos - segment_start
+        return Sample(tokens=tokens, labels=labels, positions=positions, doc_ids=doc_ids)
+
+    def batch(self, indices: Sequence[int]) -> list[Sample]:
+        return [self.sample(j) for j in indices]
+
+
+def make_source(data: str, vocab_size: int, seq_len: int, seed: int) -> SyntheticTokens | TokenFile:
+    if data == "synthetic":
+        return SyntheticTokens(vocab_size, seq_len, seed)
+    source = TokenFile(data, seq_len, seed)
+    if source.max_token >= vocab_size:
+        raise InputError(f"data: {data} holds token id {source.max_token} >= vocab_size={vocab_size}; "
+                         "use a model with a larger vocabulary")
+    return source
+
+
+def rank_sample_indices(step: int, gbs: int, dp: int, dp_rank: int, mbs: int) -> list[list[int]]:
+    """Global sample indices of each micro-batch of `dp_rank` at `step` (0-based)."""
+    per_rank = gbs // dp
+    base = step * gbs + dp_rank * per_rank
+    return [list(range(base + i, base + i + mbs)) for i in range(0, per_rank, mbs)]
+
+
+def collate(samples: Sequence[Sample]):
+    """Stack samples into torch tensors (B, T): tokens, labels, positions, doc_ids (or None)."""
+    import torch
+
+    tokens = torch.from_numpy(np.stack([s.tokens for s in samples]))
+    labels = torch.from_numpy(np.stack([s.labels for s in samples]))
+    positions = torch.from_numpy(np.stack([s.positions for s in samples]))
+    doc_ids = None
+    if samples[0].doc_ids is not None:
+        doc_ids = torch.from_numpy(np.stack([s.doc_ids for s in samples]))
+    return tokens, labels, positions, doc_ids
