@@ -14,7 +14,6 @@ from mosaic import __version__
 from mosaic.cli import calibrate as calibrate_cmd
 from mosaic.cli import clusters as clusters_cmd
 from mosaic.cli import train as train_cmd
-from mosaic.cli import validate as validate_cmd
 from mosaic.cli.common import set_debug
 
 app = typer.Typer(
