@@ -180,9 +180,13 @@ class Overlap:
     dp: float = 1.0
     pp: float = 1.0
     source: str = ""
+    cp: float = 1.0
+    """Context parallel K/V ring exchange hidden behind the attention kernels it feeds
+    (Megatron-Core context parallel overlaps each ring step with the attention of the
+    previous chunk); 1.0 = fully hideable up to the attention time."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "dp", "pp"):
+        for name in ("tp", "ep", "dp", "pp", "cp"):
             value = getattr(self, name)
             check(0 <= value <= 1, name, f"must be in [0, 1], got {value}", "use a fraction")
 
@@ -259,10 +263,32 @@ class ClusterSpec:
         return dataclasses.replace(self, devices=devices)
 
 
+def host_memory_bytes() -> Optional[float]:
+    """Physical memory of this machine (None where the OS does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def size_from_host(spec: ClusterSpec) -> ClusterSpec:
-    """Fill a `size_from_host` spec (cpu_local) from this machine's cores."""
+    """Fill a `size_from_host` spec (cpu_local) from this machine.
+
+    Devices (ranks) at the node level: at least the file's count, at least the
+    cores; `host_cores` = usable cores; memory per rank = host RAM / ranks,
+    since all ranks share it (the file's `hbm_bytes` is the fallback where
+    the OS does not report its memory).
+    """
     if not spec.size_from_host:
         return spec
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     node = dataclasses.replace(spec.levels[0], devices=max(spec.levels[0].devices, cores))
-    return dataclasses.replace(spec, devices=node.devices, host_cores=cores, levels=(node, *spec.levels[1:]))
+    acc = spec.accelerator
+    memory = host_memory_bytes()
+    if memory:
+        per_rank = memory / node.devices
+        sources = {**acc.sources, "hbm_bytes": f"host RAM {memory / 1e9:.1f} GB shared by {node.devices} ranks "
+                                               "(size_from_host, at load time)"}
+        acc = dataclasses.replace(acc, hbm_bytes=per_rank, hbm_usable_bytes=None, sources=sources)
+    return dataclasses.replace(spec, devices=node.devices, host_cores=cores, accelerator=acc,
+                               levels=(node, *spec.levels[1:]))
