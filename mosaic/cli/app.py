@@ -14,6 +14,7 @@ from mosaic import __version__
 from mosaic.cli import calibrate as calibrate_cmd
 from mosaic.cli import clusters as clusters_cmd
 from mosaic.cli import train as train_cmd
+from mosaic.cli import validate as validate_cmd
 from mosaic.cli.common import set_debug
 
 app = typer.Typer(
@@ -44,6 +45,7 @@ app.command("clusters")(clusters_cmd.clusters)
 app.command("show-cluster")(clusters_cmd.show_cluster)
 app.command("train")(train_cmd.train)
 app.command("calibrate")(calibrate_cmd.calibrate)
+app.command("validate")(validate_cmd.validate)
 
 
 def main() -> None:

@@ -1,0 +1,70 @@
+"""`mosaic validate`: the performance model against published measured runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from mosaic.cli.common import cli_errors, console, print_json
+
+
+def _pct(value: float) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:+.1f}%"
+
+
+def _num(value: float, fmt: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+@cli_errors
+def validate(
+    runs: Optional[Path] = typer.Argument(
+        None, help="CSV of measured runs (columns: perfmodel/data/README.md). Default: the bundled published_runs.csv."),
+    cluster_map: Optional[str] = typer.Option(
+        None, "--cluster-map",
+        help="Override the cluster a 'cluster' value loads, e.g. 'h100=site_h100.yaml,b200=b200_calibrated.yaml'."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object: rows and summary."),
+) -> None:
+    """Compare predicted step times with measured ones; print per-run errors and mean/max APE."""
+    from perfmodel.validation import bundled_runs_path, parse_cluster_map, validate_runs
+
+    path = runs if runs is not None else bundled_runs_path()
+    frame, summary = validate_runs(path, parse_cluster_map(cluster_map))
+    if json_output:
+        rows = [{k: _json_value(v) for k, v in row.items()} for row in frame.to_dict(orient="records")]
+        print_json({"runs_file": str(path), "rows": rows, "summary": summary})
+        return
+
+    table = Table(title=f"predicted vs measured step time ({path.name})", show_lines=False)
+    for column, justify in (("run", "left"), ("cluster", "left"), ("dev", "right"), ("prec", "left"),
+                            ("measured s", "right"), ("predicted s", "right"), ("error", "right"),
+                            ("MFU meas", "right"), ("MFU pred", "right"), ("note", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    for row in frame.itertuples(index=False):
+        table.add_row(
+            row.run_id, row.cluster, str(row.devices), row.precision,
+            _num(row.measured_step_time_s, ".3g"), _num(row.predicted_step_time_s, ".3g"), _pct(row.signed_error),
+            _num(row.measured_mfu, ".1%"), _num(row.predicted_mfu, ".1%"),
+            "" if row.feasible else f"predicted infeasible: {row.reason}",
+        )
+    console.print(table)
+    if summary["compared"]:
+        console.print(f"mean APE: {summary['mean_ape_pct']:.1f}%  max APE: {summary['max_ape_pct']:.1f}% "
+                      f"({summary['worst_run_id']})  median APE: {summary['median_ape_pct']:.1f}%  "
+                      f"mean signed error: {summary['mean_signed_error_pct']:+.1f}%  "
+                      f"over {summary['compared']} of {summary['runs']} runs", highlight=False)
+    else:
+        console.print("mean APE: n/a  max APE: n/a (no run was predicted feasible)", highlight=False)
+    if summary["predicted_infeasible"]:
+        console.print(f"predicted infeasible although they ran: {', '.join(summary['predicted_infeasible'])}",
+                      highlight=False)
