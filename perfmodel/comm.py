@@ -1,0 +1,97 @@
+"""Collectives priced per fabric level with placement (alpha-beta, hierarchical).
+
+Placement follows Megatron-Core's rank order: tp innermost, then cp, then dp,
+then pp outermost; inside the tp*cp*dp ranks of a stage the expert groups
+fold as etp innermost, then ep, then edp (Liu et al. 2025, "MoE Parallel
+Folding"). A group of n ranks at stride k spans n*k consecutive ranks.
+
+Cost of one collective (nccl-tests `doc/PERFORMANCE.md` bus-bandwidth factors;
+alpha-beta as in Galvatron/SimAI/llm-analysis):
+- Walk the levels innermost first. c_j = group members inside one level-j
+  domain = min(n, max(1, D_j // k)) (D_j devices per domain; the outermost
+  level holds them all), f_j = c_j / c_{j-1} members joined at level j.
+- Bandwidth bytes per device at level j, for a buffer S:
+    all-reduce                 2 (f_j - 1)/f_j * S / c_{j-1}   (reduce-scatter down, all-gather up)
+    all-gather, reduce-scatter   (f_j - 1)/f_j * S / c_{j-1}
+    all-to-all                   (c_j - c_{j-1})/n * S          (the share of S leaving the inner domain)
+    p2p                          S where the two ranks first meet
+  On one level these are the ring factors 2(n-1)/n and (n-1)/n.
+- The levels' links work at once (NCCL pipelines chunks through intra- and
+  inter-node hops), so the bandwidth time is the max over levels of
+  bytes_j / (bandwidth_j * efficiency_j[collective]); latency adds:
+  alpha_j * ceil(log2 f_j) per phase (tree depth; NCCL's tuning model), two
+  phases for all-reduce, one hop for p2p.
+  Check against a measurement: 4 nodes x 8 B200, 4 GiB all-reduce, NVLink
+  900 GB/s x 0.82 and NIC 50 GB/s x 0.74 gives busbw 0.38 TB/s; measured
+  0.377-0.382 (hardware.md section 4, [S-net]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def group_geometry(lay: Any, group: str) -> tuple[Any, Any]:
+    """(size n, stride k) of a process group in Megatron-Core rank order.
+
+    tp: (tp, 1); cp: (cp, tp); dp (dense gradients, synchronised over dp*cp): (dp*cp, tp);
+    etp: (etp, 1); ep: (ep, etp); edp (expert gradients): (edp, etp*ep);
+    pp (two neighbouring stages): (2, tp*cp*dp) when pp > 1, else a group of one.
+    """
+    f = np.asarray
+    tp, cp, dp, pp = (f(getattr(lay, n), dtype=float) for n in ("tp", "cp", "dp", "pp"))
+    ep, etp = f(lay.ep, dtype=float), f(lay.etp, dtype=float)
+    if group == "tp":
+        return tp, np.ones_like(tp)
+    if group == "cp":
+        return cp, tp
+    if group == "dp":
+        return dp * cp, tp
+    if group == "etp":
+        return etp, np.ones_like(etp)
+    if group == "ep":
+        return ep, etp
+    if group == "edp":
+        return np.maximum(tp * cp * dp / (etp * ep), 1.0), etp * ep
+    if group == "pp":
+        return np.where(pp > 1, 2.0, 1.0), tp * cp * dp
+    raise AssertionError(f"unknown group {group}")
+
+
+def collective_time(cluster: Any, kind: str, size_bytes: Any, n: Any, stride: Any) -> Any:
+    """Seconds for one `kind` collective of `size_bytes` over n ranks at `stride` (see module doc)."""
+    assert kind in COLLECTIVES, kind
+    size = np.asarray(size_bytes, dtype=float)
+    n = np.maximum(np.asarray(n, dtype=float), 1.0)
+    stride = np.maximum(np.asarray(stride, dtype=float), 1.0)
+    bw_time = np.zeros(np.broadcast(size, n, stride).shape)
+    latency = np.zeros_like(bw_time)
+    c_prev = np.ones_like(bw_time)
+    last = len(cluster.levels) - 1
+    for j, level in enumerate(cluster.levels):
+        if j == last:
+            c = n + 0.0 * c_prev
+        else:
+            c = np.maximum(np.minimum(n, np.maximum(1.0, np.floor(level.devices / stride))), c_prev)
+        fan = c / c_prev
+        if kind == "all_reduce":
+            moved = 2.0 * (fan - 1.0) / fan * size / c_prev
+            steps = 2.0 * np.ceil(np.log2(fan) - 1e-9)
+        elif kind in ("all_gather", "reduce_scatter"):
+            moved = (fan - 1.0) / fan * size / c_prev
+            steps = np.ceil(np.log2(fan) - 1e-9)
+        elif kind == "all_to_all":
+            moved = (c - c_prev) / n * size
+            steps = np.ceil(np.log2(fan) - 1e-9)
+        else:  # p2p
+            moved = np.where(fan > 1.0, size, 0.0)
+            steps = np.where(fan > 1.0, 1.0, 0.0)
+        bandwidth = level.bandwidth_bytes_per_s * level.efficiency_of(kind)
+        bw_time = np.maximum(bw_time, moved / bandwidth)
+        latency = latency + np.maximum(steps, 0.0) * level.latency_s
+        c_prev = c
+    return np.where((n > 1.0) & (size > 0.0), bw_time + latency, 0.0)

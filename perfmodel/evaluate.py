@@ -1,0 +1,531 @@
+"""`evaluate(archs, layouts, cluster)`: step time, throughput, MFU, memory, feasibility.
+
+One vectorised code path over numpy arrays of candidates (a single
+configuration is a batch of one). For each candidate:
+
+1. Operators (`perfmodel.operators`) per block for one micro-batch on one
+   device; time of an op and phase = max(FLOPs / (peak * eff_compute(kernel
+   FLOPs)), bytes / (HBM bandwidth * eff_memory(bytes per kernel))), with the
+   efficiency curves of the cluster file per precision (GEMMs at the layout's
+   precision, the flash-attention core at bf16).
+2. Collectives (`perfmodel.comm`) priced on the fabric levels their groups
+   span. Each phase's communication hides behind that phase's overlappable
+   compute (GEMMs, attention), at most the cluster's `overlap` fraction of it,
+   in the order cp (behind attention only), tp, ep, pp, FSDP; the rest is
+   exposed.
+3. CPU dispatch: a phase takes max(device time, kernels x launch latency)
+   (the host enqueues asynchronously, so only the excess shows).
+4. The slower of the first and last pipeline stage sets the step
+   (`perfmodel.schedule`): (m + (pp-1)/vpp) micro-batch slots, plus the exposed
+   DDP/ZeRO-1 gradient (and parameter) synchronisation, plus the optimizer
+   step, times the straggler factor of the node count.
+5. Memory (`perfmodel.memory`) of the larger stage against usable HBM.
+
+Breakdown (seconds per step): the STEP_COMPONENTS add up to step_time_s;
+the *_hidden entries are communication that ran under compute (not added).
+MFU = model_flops_per_token (DESIGN.md convention) x tokens/s / (devices x
+peak of the layout's precision); on host-sized CPU clusters ranks beyond
+`host_cores` share the cores, so each rank's peak is scaled by
+min(1, host_cores / devices) for both time and MFU.
+
+Infeasible candidates never raise: `feasible` is False and `reason` names the
+first failed check (invalid_layout, devices, precision, memory); their
+numbers are still computed (meaningless for invalid_layout) so a search can
+report how far off they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from perfmodel.comm import collective_time, group_geometry
+from perfmodel.errors import InputError
+from perfmodel.memory import MEMORY_COMPONENTS, stage_memory, stage_params
+from perfmodel.operators import (
+    BF16,
+    DDP,
+    FP8,
+    FP32,
+    FP32_GRAD_BYTES,
+    FSDP,
+    FULL,
+    SELECTIVE,
+    ZERO1,
+    activation_bytes,
+    attention_ops,
+    dense_ffn_ops,
+    dp_flavor_code,
+    embedding_ops,
+    head_ops,
+    layer_comms,
+    moe_ops,
+    precision_code,
+    recompute_code,
+    shapes,
+)
+from perfmodel.schedule import bubble_slots, micro_batches, stage_layer_counts, straggler_factor
+from perfmodel.specs.architecture import ArchBatch, MoEArchitecture, model_flops_per_token
+from perfmodel.specs.layout import PRECISIONS, LayoutBatch, ParallelLayout
+from perfmodel.validity import valid_mask
+
+REASONS = ("ok", "invalid_layout", "devices", "precision", "memory")
+"""Reason code -> name. invalid_layout: a `perfmodel.validity` rule fails (see
+`validity.violations`); devices: more than the cluster has; precision: the
+accelerator has no peak for it; memory: above usable HBM."""
+
+STEP_COMPONENTS = ("compute", "attention", "expert_gemm", "recompute", "tp_exposed", "cp_exposed",
+                   "ep_exposed", "pp_exposed", "dp_exposed", "dispatch", "bubble", "optimizer", "straggler")
+"""Seconds per step that add up to step_time_s. compute: dense GEMMs and
+bandwidth-bound kernels (norms, activations, permutes, embedding, LM head,
+cross-entropy); attention: the flash-attention core; expert_gemm: routed
+experts' grouped GEMMs; recompute: forward work repeated in the backward pass;
+*_exposed: communication not hidden (ep includes etp); dispatch: host launch
+time beyond device time; bubble: pipeline fill/drain; optimizer: Adam step;
+straggler: slowdown from the slowest node."""
+
+HIDDEN_COMPONENTS = ("tp_hidden", "cp_hidden", "ep_hidden", "pp_hidden", "dp_hidden")
+BREAKDOWN_KEYS = STEP_COMPONENTS + HIDDEN_COMPONENTS
+
+DDP_BUCKET_PARAMS = 40e6
+"""Megatron-Core DDP bucket size (parameters): the last bucket's reduction cannot
+hide behind the backward pass (`DistributedDataParallelConfig.bucket_size`)."""
+
+OPTIMIZER_KERNELS_PER_LAYER = 3.0
+"""Fused multi-tensor launches per layer for the step: gradient norm, unscale/clip,
+Adam (apex/Transformer Engine multi_tensor_apply); an estimate, small either way."""
+
+CHUNK = 32768
+"""Candidates per vectorised pass (keeps the working set in cache)."""
+
+_BLOCK_BUILDERS = (("attention", attention_ops), ("dense_ffn", dense_ffn_ops), ("moe", moe_ops),
+                   ("embedding", embedding_ops), ("head", head_ops))
+_LAYER_BLOCKS = ("attention", "dense_ffn", "moe")
+_CATS = ("compute", "attention", "expert_gemm")
+_KIND_CAT = {"gemm": "compute", "memory": "compute", "attention": "attention", "expert_gemm": "expert_gemm"}
+_COMM_CLASS = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "ep"}
+
+
+def optimizer_step_bytes_per_param(lay: Any) -> Any:
+    """HBM bytes per updated parameter in the Adam step: read master, m, v, grad
+    (16) + the gradient-norm read (4) + write master, m, v (12) + the bf16 weight
+    (2) = 34; fp32 training has no separate weight copy: 32."""
+    return np.where(precision_code(lay) == FP32, 32.0, 34.0)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Predictions for n candidates (numpy arrays of length n)."""
+
+    step_time_s: np.ndarray
+    tokens_per_s: np.ndarray
+    tokens_per_s_per_device: np.ndarray
+    mfu: np.ndarray
+    tflops_per_device: np.ndarray
+    """Achieved model TFLOP/s per device (model FLOPs, no recompute)."""
+    memory_per_device_bytes: np.ndarray
+    feasible: np.ndarray
+    reason: np.ndarray
+    """Codes into REASONS."""
+    breakdown: dict[str, np.ndarray] = field(default_factory=dict)
+    """Seconds per step per component (BREAKDOWN_KEYS)."""
+    memory_breakdown: dict[str, np.ndarray] = field(default_factory=dict)
+    """Bytes per device per component (memory.MEMORY_COMPONENTS)."""
+    devices: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    micro_batches: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """m = gbs / (mbs * dp)."""
+    bottleneck_stage: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """0: the first pipeline stage sets the step, 1: the last."""
+
+    def __len__(self) -> int:
+        return int(np.size(self.step_time_s))
+
+    @property
+    def reason_names(self) -> list[str]:
+        return [REASONS[int(c)] for c in self.reason]
+
+    def row(self, i: int) -> dict[str, Any]:
+        """One candidate as plain JSON-ready values (reason as its name, reason_code as int)."""
+        def num(x: Any) -> Optional[float]:
+            v = float(x)
+            return v if math.isfinite(v) else None
+        return {
+            "step_time_s": num(self.step_time_s[i]),
+            "tokens_per_s": num(self.tokens_per_s[i]),
+            "tokens_per_s_per_device": num(self.tokens_per_s_per_device[i]),
+            "mfu": num(self.mfu[i]),
+            "tflops_per_device": num(self.tflops_per_device[i]),
+            "memory_per_device_bytes": num(self.memory_per_device_bytes[i]),
+            "feasible": bool(self.feasible[i]),
+            "reason": REASONS[int(self.reason[i])],
+            "reason_code": int(self.reason[i]),
+            "devices": int(self.devices[i]),
+            "micro_batches": num(self.micro_batches[i]),
+            "bottleneck_stage": "first" if int(self.bottleneck_stage[i]) == 0 else "last",
+            "breakdown": {k: num(v[i]) for k, v in self.breakdown.items()},
+            "memory_breakdown": {k: num(v[i]) for k, v in self.memory_breakdown.items()},
+        }
+
+    @staticmethod
+    def concat(parts: list[EvalResult]) -> EvalResult:
+        if len(parts) == 1:
+            return parts[0]
+        values: dict[str, Any] = {}
+        for name in EvalResult.__dataclass_fields__:
+            first = getattr(parts[0], name)
+            if isinstance(first, dict):
+                values[name] = {k: np.concatenate([getattr(p, name)[k] for p in parts]) for k in first}
+            else:
+                values[name] = np.concatenate([getattr(p, name) for p in parts])
+        return EvalResult(**values)
+
+
+# ---------------------------------------------------------------------------
+# Inputs
+
+def _as_batches(archs: Any, layouts: Any, devices: Any) -> tuple[ArchBatch, LayoutBatch, np.ndarray]:
+    if isinstance(archs, MoEArchitecture):
+        archs = ArchBatch.stack([archs])
+    if isinstance(layouts, ParallelLayout):
+        if layouts.dp is None or layouts.gbs is None:
+            if devices is None or np.ndim(devices) != 0:
+                raise InputError("layout: dp/gbs are not resolved; call layout.resolve(devices) or pass devices=N")
+            layouts = layouts.resolve(int(devices))
+        layouts = LayoutBatch.stack([layouts])
+    if not isinstance(archs, ArchBatch) or not isinstance(layouts, LayoutBatch):
+        raise InputError("evaluate: archs must be MoEArchitecture/ArchBatch and layouts ParallelLayout/LayoutBatch")
+    n_a, n_l = len(archs), len(layouts)
+    n = max(n_a, n_l)
+    if n_a != n_l and min(n_a, n_l) != 1:
+        raise InputError(f"evaluate: {n_a} architectures and {n_l} layouts; give equal lengths or one of either")
+    if n_a != n:
+        archs = archs.take(np.zeros(n, dtype=np.int64))
+    if n_l != n:
+        layouts = layouts.take(np.zeros(n, dtype=np.int64))
+    world = (np.asarray(layouts.tp) * layouts.cp * layouts.pp * layouts.dp).astype(float)
+    dev = world if devices is None else np.broadcast_to(np.asarray(devices, dtype=float), (n,)).copy()
+    return archs, layouts, dev
+
+
+def evaluate(archs: Union[MoEArchitecture, ArchBatch], layouts: Union[ParallelLayout, LayoutBatch],
+             cluster: Any, devices: Any = None) -> EvalResult:
+    """Predict every candidate (see module doc). `devices` defaults to each layout's world size."""
+    arch_b, lay_b, dev = _as_batches(archs, layouts, devices)
+    n = len(dev)
+    if n <= CHUNK:
+        return _evaluate_chunk(arch_b, lay_b, cluster, dev)
+    parts = []
+    for start in range(0, n, CHUNK):
+        idx = slice(start, min(start + CHUNK, n))
+        parts.append(_evaluate_chunk(arch_b.take(idx), lay_b.take(idx), cluster, dev[idx]))
+    return EvalResult.concat(parts)
+
+
+# ---------------------------------------------------------------------------
+# Hardware view of a chunk
+
+class _Hardware:
+    """Peaks and efficiency curves per candidate (precision codes index PRECISIONS)."""
+
+    def __init__(self, cluster: Any, lay: LayoutBatch, devices: np.ndarray) -> None:
+        acc = cluster.accelerator
+        self.acc = acc
+        table = np.full(len(PRECISIONS), np.nan)
+        for i, name in enumerate(PRECISIONS):
+            try:
+                table[i] = acc.peak(name)
+            except InputError:
+                pass
+        code = np.asarray(precision_code(lay))
+        attn_code = np.where(code >= FP8, BF16, code)
+        gemm_peak, attn_peak = table[code], table[attn_code]
+        self.precision_missing = ~np.isfinite(gemm_peak) | ~np.isfinite(attn_peak)
+        fallback = np.nanmax(table)
+        share = np.ones_like(devices)
+        if cluster.host_cores is not None:
+            share = np.minimum(1.0, cluster.host_cores / np.maximum(devices, 1.0))
+        self.share = share
+        self.gemm_peak = np.where(np.isfinite(gemm_peak), gemm_peak, fallback) * share
+        self.attn_peak = np.where(np.isfinite(attn_peak), attn_peak, fallback) * share
+        self.curves = [acc.compute_curve(name) for name in PRECISIONS]
+        self.gemm_code, self.attn_code = code, attn_code
+        self.gemm_present = np.flatnonzero(np.bincount(code, minlength=len(PRECISIONS)))
+        self.attn_present = np.flatnonzero(np.bincount(attn_code, minlength=len(PRECISIONS)))
+        self.bw = acc.hbm_bandwidth_bytes_per_s
+        self.mem_curve = acc.memory_efficiency
+
+    def _eff(self, codes: np.ndarray, present: np.ndarray, size: np.ndarray) -> np.ndarray:
+        if len(present) == 1:
+            return self.curves[present[0]](size)
+        out = np.empty(np.shape(size))
+        size = np.broadcast_to(size, np.shape(codes))
+        for c in present:
+            mask = codes == c
+            out[mask] = self.curves[c](size[mask])
+        return out
+
+    def compute_time(self, kind: str, flops: Any, kernel_flops: Any) -> Any:
+        if kind == "attention":
+            return flops / (self.attn_peak * self._eff(self.attn_code, self.attn_present, kernel_flops))
+        return flops / (self.gemm_peak * self._eff(self.gemm_code, self.gemm_present, kernel_flops))
+
+    def memory_time(self, nbytes: Any, kernels: Any) -> Any:
+        per_kernel = nbytes / np.maximum(kernels, 1.0)
+        return nbytes / (self.bw * self.mem_curve(per_kernel))
+
+
+def op_times(op: Any, hw: _Hardware) -> tuple[Any, Any, Any]:
+    """Seconds of one op per phase (fwd, dgrad, wgrad): max(compute, memory)."""
+    out = []
+    cached_size, cached_eff_time = None, None
+    for j in range(3):
+        mem = hw.memory_time(op.bytes[j], op.kernels[j])
+        if op.kind == "memory":
+            out.append(mem)
+            continue
+        if op.kernel_flops[j] is cached_size and cached_eff_time is not None and op.flops[j] is op.flops[0]:
+            comp = cached_eff_time
+        else:
+            comp = hw.compute_time(op.kind, op.flops[j], op.kernel_flops[j])
+            cached_size, cached_eff_time = op.kernel_flops[j], comp
+        out.append(np.maximum(comp, mem))
+    return out[0], out[1], out[2]
+
+
+# ---------------------------------------------------------------------------
+# One chunk
+
+def _block_tables(arch: Any, lay: Any, cluster: Any, hw: _Hardware) -> dict[str, dict[str, Any]]:
+    """Per block, per micro-batch: time per category and phase, overlappable time,
+    kernels, the forward totals (for full recompute) and the attention core's
+    forward (for selective recompute); and communication per class and phase."""
+    tables: dict[str, dict[str, Any]] = {}
+    comms = layer_comms(arch, lay)
+    geometry = {g: group_geometry(lay, g) for g in ("tp", "cp", "ep", "etp")}
+    for block, builder in _BLOCK_BUILDERS:
+        t: dict[str, Any] = {f"{ph}_{cat}": 0.0 for ph in ("fwd", "bwd") for cat in _CATS}
+        t.update(fwd_overlap=0.0, bwd_overlap=0.0, fwd_kernels=0.0, bwd_kernels=0.0, core_fwd=0.0)
+        for op in builder(arch, lay):
+            f, dg, wg = op_times(op, hw)
+            cat = _KIND_CAT[op.kind]
+            t[f"fwd_{cat}"] = t[f"fwd_{cat}"] + f
+            t[f"bwd_{cat}"] = t[f"bwd_{cat}"] + dg + wg
+            if op.overlappable:
+                t["fwd_overlap"] = t["fwd_overlap"] + f
+                t["bwd_overlap"] = t["bwd_overlap"] + dg + wg
+            t["fwd_kernels"] = t["fwd_kernels"] + op.kernels[0]
+            t["bwd_kernels"] = t["bwd_kernels"] + op.kernels[1] + op.kernels[2]
+            if op.name == "core_attention":
+                t["core_fwd"] = f
+        for cls in ("tp", "cp", "ep"):
+            t[f"fwd_{cls}"] = 0.0
+            t[f"bwd_{cls}"] = 0.0
+        t["fwd_comm_kernels"] = 0.0
+        t["bwd_comm_kernels"] = 0.0
+        for comm in comms[block]:
+            n, stride = geometry[comm.group]
+            seconds = collective_time(cluster, comm.kind, comm.bytes, n, stride)
+            key = f"{comm.phase}_{_COMM_CLASS[comm.group]}"
+            t[key] = t[key] + seconds
+            t[f"{comm.phase}_comm_kernels"] = t[f"{comm.phase}_comm_kernels"] + (seconds > 0)
+        tables[block] = t
+    return tables
+
+
+def _hide(comm: Any, fraction: float, window: Any) -> tuple[Any, Any]:
+    """(hidden, window left): at most `fraction` of `comm`, at most the window."""
+    hidden = np.minimum(fraction * comm, np.maximum(window, 0.0))
+    return hidden, window - hidden
+
+
+def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, tables: dict[str, dict[str, Any]],
+           counts: dict[str, Any]) -> dict[str, Any]:
+    """Per-micro-batch and per-step times of one pipeline stage."""
+    ov = cluster.overlap
+    lat = hw.acc.launch_latency_s
+    rc = np.asarray(recompute_code(lay))
+    full = rc == FULL
+    selective = rc == SELECTIVE
+
+    def total(key: str, blocks: tuple[str, ...] = tuple(tables)) -> Any:
+        return sum(counts[b] * tables[b][key] for b in blocks)
+
+    out: dict[str, Any] = {}
+    for cat in _CATS:
+        out[cat] = total(f"fwd_{cat}") + total(f"bwd_{cat}")
+    layer_fwd = sum(total(f"fwd_{cat}", _LAYER_BLOCKS) for cat in _CATS)
+    layer_fwd_overlap = total("fwd_overlap", _LAYER_BLOCKS)
+    core_fwd = counts["attention"] * tables["attention"]["core_fwd"]
+    recompute = np.where(full, layer_fwd, np.where(selective, core_fwd, 0.0))
+    out["recompute"] = recompute
+
+    fwd_compute = sum(total(f"fwd_{cat}") for cat in _CATS)
+    bwd_compute = sum(total(f"bwd_{cat}") for cat in _CATS) + recompute
+    fwd_window = total("fwd_overlap")
+    bwd_window = total("bwd_overlap") + np.where(full, layer_fwd_overlap, np.where(selective, core_fwd, 0.0))
+    fwd_attn = total("fwd_attention")
+    bwd_attn = total("bwd_attention") + np.where(full | selective, core_fwd, 0.0)
+
+    # communication per micro-batch (full recompute repeats the forward collectives)
+    comm: dict[str, Any] = {}
+    for cls in ("tp", "cp", "ep"):
+        comm[f"fwd_{cls}"] = total(f"fwd_{cls}")
+        comm[f"bwd_{cls}"] = total(f"bwd_{cls}") + np.where(full, total(f"fwd_{cls}", _LAYER_BLOCKS), 0.0)
+    sh = shapes(arch, lay)
+    p2p_bytes = activation_bytes(lay) * sh["T"] * sh["h"] / np.where(sh["sp"], sh["tp"], 1.0)
+    p2p = np.asarray(lay.vpp, dtype=float) * collective_time(cluster, "p2p", p2p_bytes, *group_geometry(lay, "pp"))
+    comm["fwd_pp"] = p2p
+    comm["bwd_pp"] = p2p
+    dense_params, expert_params = stage_params(arch, lay, counts)
+    flavor = np.asarray(dp_flavor_code(lay))
+    fsdp = flavor == FSDP
+    gather_bytes = np.where(precision_code(lay) == FP32, 4.0, 2.0)
+    dp_n, dp_k = group_geometry(lay, "dp")
+    edp_n, edp_k = group_geometry(lay, "edp")
+    gather = (collective_time(cluster, "all_gather", gather_bytes * dense_params, dp_n, dp_k)
+              + collective_time(cluster, "all_gather", gather_bytes * expert_params, edp_n, edp_k))
+    grad_rs = (collective_time(cluster, "reduce_scatter", FP32_GRAD_BYTES * dense_params, dp_n, dp_k)
+               + collective_time(cluster, "reduce_scatter", FP32_GRAD_BYTES * expert_params, edp_n, edp_k))
+    comm["fwd_fsdp"] = np.where(fsdp, gather, 0.0)
+    comm["bwd_fsdp"] = np.where(fsdp, gather + grad_rs, 0.0)
+
+    # overlap inside each phase of one micro-batch
+    exposed: dict[str, Any] = {}
+    hidden: dict[str, Any] = {}
+    left: dict[str, Any] = {}
+    for phase, window, attn in (("fwd", fwd_window, fwd_attn), ("bwd", bwd_window, bwd_attn)):
+        h_cp, _ = _hide(comm[f"{phase}_cp"], ov.cp, attn)
+        window = window - h_cp
+        h_tp, window = _hide(comm[f"{phase}_tp"], ov.tp, window)
+        h_ep, window = _hide(comm[f"{phase}_ep"], ov.ep, window)
+        h_pp, window = _hide(comm[f"{phase}_pp"], ov.pp, window)
+        h_fsdp, window = _hide(comm[f"{phase}_fsdp"], ov.dp, window)
+        for cls, h in (("cp", h_cp), ("tp", h_tp), ("ep", h_ep), ("pp", h_pp), ("fsdp", h_fsdp)):
+            hidden[f"{phase}_{cls}"] = h
+            exposed[f"{phase}_{cls}"] = comm[f"{phase}_{cls}"] - h
+        left[phase] = np.maximum(window, 0.0)
+
+    # host dispatch bound per phase
+    fwd_kernels = total("fwd_kernels") + total("fwd_comm_kernels")
+    bwd_kernels = (total("bwd_kernels") + total("bwd_comm_kernels")
+                   + np.where(full, total("fwd_kernels", _LAYER_BLOCKS), np.where(selective, counts["attention"], 0.0)))
+    fwd_device = fwd_compute + sum(exposed[f"fwd_{c}"] for c in ("cp", "tp", "ep", "pp", "fsdp"))
+    bwd_device = bwd_compute + sum(exposed[f"bwd_{c}"] for c in ("cp", "tp", "ep", "pp", "fsdp"))
+    dispatch = np.maximum(fwd_kernels * lat - fwd_device, 0.0) + np.maximum(bwd_kernels * lat - bwd_device, 0.0)
+    t_mb = fwd_device + bwd_device + dispatch
+    out["dispatch"] = dispatch
+    out["t_mb"] = t_mb
+    for cls in ("tp", "cp", "ep", "pp"):
+        out[f"{cls}_exposed"] = exposed[f"fwd_{cls}"] + exposed[f"bwd_{cls}"]
+        out[f"{cls}_hidden"] = hidden[f"fwd_{cls}"] + hidden[f"bwd_{cls}"]
+    out["fsdp_exposed"] = exposed["fwd_fsdp"] + exposed["bwd_fsdp"]
+    out["fsdp_hidden"] = hidden["fwd_fsdp"] + hidden["bwd_fsdp"]
+
+    # once per step: DDP / ZeRO-1 synchronisation after the last micro-batch
+    ddp = flavor == DDP
+    zero1 = flavor == ZERO1
+    grads = np.where(
+        ddp,
+        collective_time(cluster, "all_reduce", FP32_GRAD_BYTES * dense_params, dp_n, dp_k)
+        + collective_time(cluster, "all_reduce", FP32_GRAD_BYTES * expert_params, edp_n, edp_k),
+        np.where(zero1, grad_rs, 0.0))
+    params_ag = np.where(zero1, gather, 0.0)
+    local = np.maximum(dense_params + expert_params, 1.0)
+    last_bucket = np.minimum(1.0, DDP_BUCKET_PARAMS / local)
+    h_grads = np.minimum(np.minimum(ov.dp * grads, left["bwd"]), grads * (1.0 - last_bucket))
+    h_params = np.minimum(np.minimum(ov.dp * params_ag, left["fwd"]), params_ag * (1.0 - last_bucket))
+    out["dp_step_exposed"] = grads + params_ag - h_grads - h_params
+    out["dp_step_hidden"] = h_grads + h_params
+
+    # optimizer step over the parameters this rank updates
+    shard_dense, shard_expert = np.asarray(lay.dp, dtype=float) * lay.cp, edp_n
+    sharded = flavor != DDP
+    updated = np.where(sharded, dense_params / shard_dense + expert_params / shard_expert, dense_params + expert_params)
+    opt_bytes = optimizer_step_bytes_per_param(lay) * updated
+    opt_kernels = OPTIMIZER_KERNELS_PER_LAYER * np.maximum(counts["attention"], 1.0)
+    out["optimizer"] = np.maximum(hw.memory_time(opt_bytes, opt_kernels), opt_kernels * lat)
+    return out
+
+
+def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: Any, devices: np.ndarray) -> EvalResult:
+    hw = _Hardware(cluster, lay, devices)
+    tables = _block_tables(arch, lay, cluster, hw)
+    counts = stage_layer_counts(arch, lay)
+    m = micro_batches(lay)
+    slots = bubble_slots(lay)
+    stages = {}
+    for name in ("first", "last"):
+        st = _stage(arch, lay, cluster, hw, tables, counts[name])
+        st["base"] = (m + slots) * st["t_mb"] + st["dp_step_exposed"] + st["optimizer"]
+        stages[name] = st
+    last_slower = stages["last"]["base"] > stages["first"]["base"]
+
+    def pick(key: str) -> Any:
+        return np.where(last_slower, stages["last"][key], stages["first"][key])
+
+    factor = straggler_factor(cluster, devices)
+    base = pick("base")
+    step = base * factor
+    breakdown = {
+        "compute": m * pick("compute"),
+        "attention": m * pick("attention"),
+        "expert_gemm": m * pick("expert_gemm"),
+        "recompute": m * pick("recompute"),
+        "tp_exposed": m * pick("tp_exposed"),
+        "cp_exposed": m * pick("cp_exposed"),
+        "ep_exposed": m * pick("ep_exposed"),
+        "pp_exposed": m * pick("pp_exposed"),
+        "dp_exposed": m * pick("fsdp_exposed") + pick("dp_step_exposed"),
+        "dispatch": m * pick("dispatch"),
+        "bubble": slots * pick("t_mb"),
+        "optimizer": pick("optimizer"),
+        "straggler": base * (factor - 1.0),
+        "tp_hidden": m * pick("tp_hidden"),
+        "cp_hidden": m * pick("cp_hidden"),
+        "ep_hidden": m * pick("ep_hidden"),
+        "pp_hidden": m * pick("pp_hidden"),
+        "dp_hidden": m * pick("fsdp_hidden") + pick("dp_step_hidden"),
+    }
+    breakdown = {k: np.broadcast_to(np.asarray(v, dtype=float), step.shape).copy() for k, v in breakdown.items()}
+
+    mem_first = stage_memory(arch, lay, cluster, "first")
+    mem_last = stage_memory(arch, lay, cluster, "last")
+    total_first = sum(mem_first[k] for k in MEMORY_COMPONENTS)
+    total_last = sum(mem_last[k] for k in MEMORY_COMPONENTS)
+    last_bigger = total_last > total_first
+    memory = np.where(last_bigger, total_last, total_first)
+    memory_breakdown = {k: np.broadcast_to(np.where(last_bigger, mem_last[k], mem_first[k]), step.shape).astype(float)
+                        for k in MEMORY_COMPONENTS}
+
+    tokens = np.asarray(lay.gbs, dtype=float) * np.asarray(arch.seq_len, dtype=float)
+    tokens_per_s = tokens / step
+    model_flops_per_s = np.asarray(model_flops_per_token(arch), dtype=float) * tokens_per_s
+    mfu = model_flops_per_s / (devices * hw.gemm_peak)
+
+    reason = np.zeros(len(devices), dtype=np.int64)
+    checks = (
+        ("memory", memory > cluster.accelerator.usable_hbm_bytes),
+        ("precision", hw.precision_missing),
+        ("devices", devices > cluster.devices),
+        ("invalid_layout", ~valid_mask(arch, lay, devices)),
+    )
+    for name, failed in checks:  # the last assignment wins: most fundamental first in REASONS
+        reason = np.where(failed, REASONS.index(name), reason)
+    return EvalResult(
+        step_time_s=step,
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_per_device=tokens_per_s / devices,
+        mfu=mfu,
+        tflops_per_device=model_flops_per_s / devices / 1e12,
+        memory_per_device_bytes=np.asarray(memory, dtype=float),
+        feasible=reason == 0,
+        reason=reason,
+        breakdown=breakdown,
+        memory_breakdown=memory_breakdown,
+        devices=np.asarray(devices, dtype=float).astype(np.int64),
+        micro_batches=np.asarray(m, dtype=float),
+        bottleneck_stage=last_slower.astype(np.int64),
+    )

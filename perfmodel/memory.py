@@ -1,0 +1,163 @@
+"""Memory per device: parameters, gradients, optimizer, activations, buffers.
+
+Sources
+- Mixed-precision Adam (Megatron-LM `theoretical_memory_usage.py`): bf16
+  weights 2 B, fp32 main gradients 4 B, fp32 master weights + two moments
+  12 B = 18 B/param; the distributed optimizer (ZeRO-1) shards the 12 B over
+  the data-parallel group, FSDP (ZeRO-3) shards all three. fp32 training keeps
+  no master copy: 4 + 4 + 8 B. fp8 adds a 1-byte fp8 weight copy (Transformer
+  Engine). Dense parameters shard over dp*cp, routed experts over edp.
+- Activations (Korthikanti et al. 2022, arXiv 2205.05198, sec. 4), listed per
+  stored tensor and generalised to GQA, gated FFNs and MoE, without dropout
+  masks (none in LLaMA-style pre-training) and with flash attention (no s x s
+  score matrix is ever stored, which is what their selective recompute
+  removes). Per layer and token, b bytes per element:
+    attention  norm input h·r + QKV input h·r + Q,K,V (h_q + 2h_kv)/t + output h_q/t
+               + fp32 log-sum-exp 4·heads/t      (r = 1/t with sequence parallel, else 1)
+    dense FFN  norm input h·r + up input h·r + gate/up (1|2)·d/t + activation d/t
+    MoE        norm + router input 2h·r + fp32 router probabilities 4E/t
+               + dispatched tokens, expert hidden and outputs on the busiest rank
+               (M_exp rows: h + (1|2)·d_e/etp + d_e/etp + h) + shared experts as an MLP
+  For a non-gated MHA 4h MLP this is 32·h bytes (their 34·s·b·h minus two
+  dropout masks). Selective recompute (Megatron-Core's default module,
+  core_attn) drops the attention output and log-sum-exp (recomputed in the
+  backward pass); full recompute keeps only each layer's input plus one
+  layer's working set.
+- In-flight micro-batches: `schedule.in_flight` (1F1B / interleaved).
+- Logits: bf16 logits plus the fp32 copy the vocab-parallel cross-entropy
+  keeps for the backward pass ((b + 4)·T·V/t on the last stage).
+- MoE buffers: all-to-all send and receive buffers of one layer in flight
+  (2·b·M_exp·h) plus the permutation workspace (b·T_moe·k·h).
+- FSDP: the gathered weights of the current and the prefetched layer
+  (2 layers, bf16) plus one layer's unsharded fp32 gradient.
+- Framework overhead (CUDA context, communicator buffers, fragmentation):
+  `cluster.framework_overhead_bytes`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from perfmodel.operators import (
+    FP32,
+    FP32_GRAD_BYTES,
+    FSDP,
+    FULL,
+    SELECTIVE,
+    ZERO1,
+    activation_bytes,
+    dp_flavor_code,
+    precision_code,
+    recompute_code,
+    shapes,
+    weight_bytes,
+)
+from perfmodel.schedule import in_flight, stage_layer_counts
+from perfmodel.specs.architecture import (
+    attention_params_per_layer,
+    dense_ffn_params,
+    expert_params,
+    router_params,
+)
+
+MEMORY_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "moe_buffers",
+                     "fsdp_buffers", "framework")
+
+
+def stage_params(arch: Any, lay: Any, counts: dict[str, Any]) -> tuple[Any, Any]:
+    """(dense, expert) parameters one device of a stage holds (before dp sharding).
+
+    Dense: attention/tp + 2 norms per layer, dense FFN/tp, router (replicated) and
+    shared experts/tp per MoE layer, vocab-parallel embedding/LM head (V*h/tp each;
+    tied embeddings on one stage are counted once), final norm on the head stage.
+    Expert: E/ep routed experts per MoE layer, each split over etp.
+    """
+    tp = np.asarray(lay.tp, dtype=float)
+    h = np.asarray(arch.d_model, dtype=float)
+    vocab = np.asarray(arch.vocab_size, dtype=float) * h / tp
+    tied_here = np.asarray(arch.tie_embeddings, dtype=bool) & (counts["embedding"] > 0) & (counts["head"] > 0)
+    dense = (counts["attention"] * (attention_params_per_layer(arch) / tp + 2.0 * h)
+             + counts["dense_ffn"] * dense_ffn_params(arch) / tp
+             + counts["moe"] * (router_params(arch) + np.asarray(arch.n_shared_experts) * expert_params(arch) / tp)
+             + counts["embedding"] * vocab + counts["head"] * (np.where(tied_here, 0.0, vocab) + h))
+    experts = (counts["moe"] * np.asarray(arch.n_experts, dtype=float) / np.asarray(lay.ep, dtype=float)
+               * expert_params(arch) / np.asarray(lay.etp, dtype=float))
+    return dense, experts
+
+
+def shard_sizes(lay: Any) -> tuple[Any, Any]:
+    """Data-parallel shard counts: dense over dp*cp, experts over edp = tp*cp*dp/(etp*ep)."""
+    tp, cp, dp = (np.asarray(getattr(lay, n), dtype=float) for n in ("tp", "cp", "dp"))
+    edp = np.maximum(tp * cp * dp / (np.asarray(lay.etp, dtype=float) * lay.ep), 1.0)
+    return dp * cp, edp
+
+
+def optimizer_bytes_per_param(lay: Any) -> Any:
+    """Adam state: fp32 master + 2 moments = 12 B (mixed precision), 2 moments = 8 B (fp32)."""
+    return np.where(precision_code(lay) == FP32, 8.0, 12.0)
+
+
+def layer_activation_bytes(arch: Any, lay: Any) -> dict[str, Any]:
+    """Stored activation bytes of one layer's blocks for one micro-batch (recompute none/selective)."""
+    sh = shapes(arch, lay)
+    b = activation_bytes(lay)
+    T, T_sp, T_moe, M = sh["T"], sh["T_sp"], sh["T_moe"], sh["M_exp"]
+    h, h_q, h_kv, tp, etp = sh["h"], sh["h_q"], sh["h_kv"], sh["tp"], sh["etp"]
+    up = np.where(sh["gated"], 2.0, 1.0)
+    selective = recompute_code(lay) == SELECTIVE
+    attention = (2.0 * b * T_sp * h + b * T * (h_q + 2.0 * h_kv) / tp
+                 + np.where(selective, 0.0, b * T * h_q / tp + 4.0 * T * sh["heads"] / tp))
+    d_ff = np.asarray(arch.d_ff_dense, dtype=float)
+    dense = 2.0 * b * T_sp * h + b * T * (up + 1.0) * d_ff / tp
+    d_loc = np.asarray(arch.d_expert, dtype=float) / etp
+    shared = np.asarray(arch.n_shared_experts, dtype=float) * np.asarray(arch.d_expert, dtype=float)
+    moe = (2.0 * b * T_sp * h + 4.0 * T_moe * np.asarray(arch.n_experts, dtype=float)
+           + b * M * (2.0 * h + (up + 1.0) * d_loc)
+           + np.where(shared > 0, b * T_sp * h + b * T * (up + 1.0) * shared / tp, 0.0))
+    return {"attention": attention, "dense_ffn": dense, "moe": moe, "layer_input": b * T_sp * h}
+
+
+def stage_memory(arch: Any, lay: Any, cluster: Any, stage: str) -> dict[str, Any]:
+    """Memory components (bytes) of one device of the `first` or `last` stage."""
+    counts = stage_layer_counts(arch, lay)[stage]
+    dense, experts = stage_params(arch, lay, counts)
+    shard_dense, shard_expert = shard_sizes(lay)
+    flavor = dp_flavor_code(lay)
+    fsdp = flavor == FSDP
+    sharded_opt = (flavor == ZERO1) | fsdp
+    w_bytes = weight_bytes(lay)
+    held = np.where(fsdp, dense / shard_dense + experts / shard_expert, dense + experts)
+    updated = np.where(sharded_opt, dense / shard_dense + experts / shard_expert, dense + experts)
+
+    act = layer_activation_bytes(arch, lay)
+    per_mb = (counts["attention"] * act["attention"] + counts["dense_ffn"] * act["dense_ffn"]
+              + counts["moe"] * act["moe"])
+    ffn_max = np.maximum(np.where(counts["moe"] > 0, act["moe"], 0.0),
+                         np.where(counts["dense_ffn"] > 0, act["dense_ffn"], 0.0))
+    one_layer = act["attention"] + ffn_max
+    full = recompute_code(lay) == FULL
+    per_mb = np.where(full, counts["attention"] * act["layer_input"], per_mb)
+    activations = in_flight(lay, stage) * per_mb + np.where(full, one_layer, 0.0)
+
+    sh = shapes(arch, lay)
+    b = activation_bytes(lay)
+    logits = counts["head"] * (b + 4.0) * sh["T"] * sh["V"] / sh["tp"]
+    copies = sh["T_moe"] * np.asarray(arch.top_k, dtype=float)
+    moe_buffers = np.where(counts["moe"] > 0, 2.0 * b * sh["M_exp"] * sh["h"] + b * copies * sh["h"], 0.0)
+
+    layers = np.maximum(counts["attention"], 1.0)
+    layer_params = (dense + experts) / layers
+    gather_bytes = np.where(precision_code(lay) == FP32, 4.0, 2.0)
+    fsdp_buffers = np.where(fsdp, layer_params * (2.0 * gather_bytes + FP32_GRAD_BYTES), 0.0)
+    return {
+        "weights": w_bytes * held,
+        "gradients": FP32_GRAD_BYTES * held,
+        "optimizer": optimizer_bytes_per_param(lay) * updated,
+        "activations": activations,
+        "logits": logits,
+        "moe_buffers": moe_buffers,
+        "fsdp_buffers": fsdp_buffers,
+        "framework": np.zeros_like(activations) + cluster.framework_overhead_bytes,
+    }

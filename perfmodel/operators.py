@@ -1,0 +1,398 @@
+"""The operators of one transformer layer, per phase, for one micro-batch on one device.
+
+A layer is a list of `Op`s (DESIGN.md "Performance model"): each states, for the
+forward pass, the input-gradient (dgrad) and the weight-gradient (wgrad) pass,
+the FLOPs it executes, the HBM bytes it moves, the kernels it launches and the
+FLOPs of one kernel call (the size its efficiency is looked up at), and whether
+communication can run beside it. Collectives are `Comm`s (group, kind, bytes).
+Everything is numpy arithmetic, so one definition serves one configuration
+(`MoEArchitecture` + `ParallelLayout`, floats out) and a batch (arrays out).
+
+Conventions and sources
+- GEMM (M x K)·(K x N): 2MKN FLOPs forward, the same again for dgrad and for
+  wgrad (PaLM, Chowdhery et al. 2022, app. B). Bytes: both operands read and
+  the output written once (tiles re-read from cache are not HBM traffic);
+  wgrad accumulates into fp32 main gradients (read + write 4 B each, Megatron
+  `main_grad`).
+- Tensor parallel (Megatron, Shoeybi et al. 2019): QKV/up projections split
+  their output dimension, out/down projections their input dimension, by tp.
+  Context parallel splits the sequence (tokens per rank / cp).
+- Attention core = FlashAttention (Dao 2023, FlashAttention-2): causal, so it
+  executes half of the 4·s·h_q score/value FLOPs per token that the model-FLOP
+  convention counts; its backward executes 5 matmuls to the forward's 2
+  (2.5x). It never stores the s x s score matrix. It runs in bf16 even when the
+  GEMMs run in fp8 (Transformer Engine's default; FP8 attention is opt-in).
+- MoE (Megatron-Core alltoall token dispatcher): tokens are split over tp before
+  routing (Megatron-Core requires sequence parallel for MoE with tp > 1), each
+  rank routes its T/tp tokens to top_k experts, permutes the copies, sends them
+  over the ep group, runs E/ep local experts as one grouped GEMM (etp splits
+  d_expert, tokens all-gathered over etp), returns and un-permutes them. The
+  busiest rank receives `MOE_LOAD_FACTOR` times the mean.
+- Shared experts and the dense FFN are tp-split like a Megatron MLP.
+- Dropout is not modelled (LLaMA/Mixtral/DeepSeek pre-training uses none).
+- Element sizes: activations 2 B (4 B for fp32 training); GEMM operands 1 B
+  under fp8/mxfp8 (Transformer Engine casts GEMM inputs, outputs stay bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from perfmodel.specs.layout import DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES
+
+PHASES = ("fwd", "dgrad", "wgrad")
+"""Forward, input-gradient, weight-gradient."""
+
+KINDS = ("gemm", "attention", "expert_gemm", "memory")
+"""gemm: a dense matmul at the layout's precision; attention: the flash-attention
+core (bf16); expert_gemm: routed experts' grouped GEMM; memory: bandwidth-bound
+elementwise/permutation kernels (norms, activations, residuals, softmax)."""
+
+BLOCKS = ("attention", "dense_ffn", "moe", "embedding", "head")
+
+MOE_LOAD_FACTOR = 1.25
+"""Tokens the busiest expert-parallel rank receives, relative to the mean.
+Switch Transformer trains with capacity factor 1.25 (Fedus et al. 2022, sec. 2.2
+and Table 1: 1.0-1.25 suffice); a dropless router with a load-balancing loss
+reaches a similar max/mean per rank. Used for expert GEMMs, their activations
+and the all-to-all volume; refit by `mosaic calibrate --from-runs`."""
+
+FLASH_BWD_FACTOR = 2.5
+"""FlashAttention-2 backward executes 5 matmuls to the forward's 2 (Dao 2023, sec. 3.1)."""
+
+CAUSAL_FRACTION = 0.5
+"""Causal attention kernels skip the masked upper triangle: about half the scores."""
+
+FP32_GRAD_BYTES = 4
+"""Main gradients are fp32 (Megatron sets accumulate_allreduce_grads_in_fp32 for bf16)."""
+
+
+# ---------------------------------------------------------------------------
+# Categorical layout fields as integer codes (ParallelLayout holds strings,
+# LayoutBatch holds codes).
+
+def _code(value: Any, names: tuple[str, ...]) -> Any:
+    if isinstance(value, str):
+        return names.index(value)
+    return np.asarray(value)
+
+
+def precision_code(lay: Any) -> Any:
+    return _code(lay.precision, PRECISIONS)
+
+
+def recompute_code(lay: Any) -> Any:
+    return _code(lay.recompute, RECOMPUTE_MODES)
+
+
+def dp_flavor_code(lay: Any) -> Any:
+    return _code(lay.dp_flavor, DP_FLAVORS)
+
+
+FP32, BF16, FP16, FP8, MXFP8 = (PRECISIONS.index(p) for p in ("fp32", "bf16", "fp16", "fp8", "mxfp8"))
+NONE, SELECTIVE, FULL = (RECOMPUTE_MODES.index(r) for r in ("none", "selective", "full"))
+DDP, ZERO1, FSDP = (DP_FLAVORS.index(f) for f in ("ddp", "zero1", "fsdp"))
+
+
+def activation_bytes(lay: Any) -> Any:
+    """Bytes per activation element: 4 for fp32 training, else 2 (bf16)."""
+    return np.where(precision_code(lay) == FP32, 4.0, 2.0)
+
+
+def gemm_operand_bytes(lay: Any) -> Any:
+    """Bytes per GEMM operand element: 1 under fp8/mxfp8, else the activation size."""
+    return np.where(precision_code(lay) >= FP8, 1.0, activation_bytes(lay))
+
+
+def weight_bytes(lay: Any) -> Any:
+    """Bytes per parameter of the model weights: fp32 4; bf16/fp16 2; fp8 keeps the
+    bf16 weight plus a 1-byte fp8 copy (Transformer Engine) = 3."""
+    code = precision_code(lay)
+    return np.where(code == FP32, 4.0, np.where(code >= FP8, 3.0, 2.0))
+
+
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Op:
+    """One operator for one micro-batch on one device (values per phase fwd/dgrad/wgrad)."""
+
+    name: str
+    block: str
+    kind: str
+    flops: tuple[Any, Any, Any]
+    bytes: tuple[Any, Any, Any]
+    kernels: tuple[Any, Any, Any]
+    kernel_flops: tuple[Any, Any, Any]
+    overlappable: bool
+
+    def row(self, i: int | None = None) -> dict[str, Any]:
+        """Plain numbers (of candidate i for a batch) for tables and JSON."""
+        def pick(x: Any) -> float:
+            arr = np.asarray(x, dtype=float)
+            return float(arr if arr.ndim == 0 else arr[i or 0])
+        out: dict[str, Any] = {"name": self.name, "block": self.block, "kind": self.kind,
+                               "overlappable": self.overlappable}
+        for j, phase in enumerate(PHASES):
+            out[f"{phase}_flops"] = pick(self.flops[j])
+            out[f"{phase}_bytes"] = pick(self.bytes[j])
+            out[f"{phase}_kernels"] = pick(self.kernels[j])
+        return out
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective per micro-batch (per layer of its block) on one device.
+
+    `group` names the process group (tp, cp, ep, etp, pp); `phase` is fwd or bwd;
+    `bytes` is the buffer size S in nccl-tests' sense (the full buffer for
+    all-reduce/all-gather/reduce-scatter, the per-rank send buffer for
+    all-to-all, the message for p2p).
+    """
+
+    name: str
+    block: str
+    group: str
+    kind: str
+    phase: str
+    bytes: Any
+
+
+def _gemm(name: str, block: str, kind: str, m: Any, k: Any, n: Any, b_in: Any, b_out: Any,
+          groups: Any = 1.0) -> Op:
+    """A (possibly grouped) GEMM of m x k by k x n in total; `groups` equal sub-problems
+    (local experts) share one kernel, so one call's efficiency size is 2mkn/groups."""
+    flops = 2.0 * m * k * n
+    weights = k * n
+    fwd_bytes = b_in * (m * k + weights) + b_out * m * n
+    dgrad_bytes = b_in * (m * n + weights) + b_out * m * k
+    wgrad_bytes = b_in * (m * k + m * n) + 2 * FP32_GRAD_BYTES * weights
+    size = flops / groups
+    one = np.ones_like(np.asarray(flops, dtype=float))
+    return Op(name, block, kind, (flops, flops, flops), (fwd_bytes, dgrad_bytes, wgrad_bytes),
+              (one, one, one), (size, size, size), True)
+
+
+def _memory(name: str, block: str, fwd_bytes: Any, bwd_bytes: Any, kernels_fwd: float = 1.0,
+            kernels_bwd: float = 1.0) -> Op:
+    """A bandwidth-bound kernel (its few FLOPs per element are not the limit)."""
+    zero = np.zeros_like(np.asarray(fwd_bytes, dtype=float))
+    return Op(name, block, "memory", (zero, zero, zero), (fwd_bytes, bwd_bytes, zero),
+              (zero + kernels_fwd, zero + kernels_bwd, zero), (zero, zero, zero), False)
+
+
+def shapes(arch: Any, lay: Any) -> dict[str, Any]:
+    """Token counts and widths of one micro-batch on one device (all as floats/arrays).
+
+    T      tokens of the micro-batch on this rank: mbs * s / cp
+    T_sp   tokens a norm/residual sees: T / tp with sequence parallel, else T
+    T_moe  tokens this rank routes: T / tp (MoE layers are sequence-parallel)
+    M_exp  rows of the grouped expert GEMM on the busiest rank:
+           etp * T_moe * top_k * MOE_LOAD_FACTOR
+    """
+    f = np.asarray
+    tp, cp, etp, ep = (f(getattr(lay, n), dtype=float) for n in ("tp", "cp", "etp", "ep"))
+    sp = f(lay.sequence_parallel, dtype=bool)
+    tokens = f(lay.mbs, dtype=float) * f(arch.seq_len, dtype=float) / cp
+    h_q = f(arch.n_heads, dtype=float) * f(arch.head_dim, dtype=float)
+    h_kv = f(arch.n_kv_heads, dtype=float) * f(arch.head_dim, dtype=float)
+    t_moe = tokens / tp
+    n_experts = f(arch.n_experts, dtype=float)
+    return {
+        "T": tokens,
+        "T_sp": np.where(sp, tokens / tp, tokens),
+        "T_moe": t_moe,
+        "M_exp": etp * t_moe * f(arch.top_k, dtype=float) * MOE_LOAD_FACTOR,
+        "E_local": np.maximum(n_experts / ep, 1.0),
+        "h": f(arch.d_model, dtype=float),
+        "h_q": h_q,
+        "h_kv": h_kv,
+        "V": f(arch.vocab_size, dtype=float),
+        "s": f(arch.seq_len, dtype=float),
+        "heads": f(arch.n_heads, dtype=float),
+        "gated": f(arch.gated_ffn, dtype=bool),
+        "tp": tp, "cp": cp, "ep": ep, "etp": etp, "sp": sp,
+    }
+
+
+def _act_bytes(gated: Any, rows: Any, width: Any, b: Any) -> tuple[Any, Any]:
+    """SwiGLU reads gate+up and writes one (3 tensors), backward reads 3 writes 2;
+    GeLU reads 1 writes 1, backward reads 2 writes 1."""
+    fwd = np.where(gated, 3.0, 2.0) * rows * width * b
+    bwd = np.where(gated, 5.0, 3.0) * rows * width * b
+    return fwd, bwd
+
+
+def attention_ops(arch: Any, lay: Any) -> list[Op]:
+    """Input norm, QKV projection, RoPE, flash-attention core, output projection, residual."""
+    sh = shapes(arch, lay)
+    b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
+    T, T_sp, h, h_q, h_kv, tp = sh["T"], sh["T_sp"], sh["h"], sh["h_q"], sh["h_kv"], sh["tp"]
+    core_fwd = 4.0 * CAUSAL_FRACTION * T * sh["s"] * h_q / tp
+    core_fwd_bytes = b * T * (2.0 * h_q + 2.0 * h_kv) / tp + 4.0 * T * sh["heads"] / tp
+    core_bwd_bytes = b * T * (4.0 * h_q + 4.0 * h_kv) / tp + 4.0 * T * sh["heads"] / tp
+    zero = np.zeros_like(core_fwd)
+    core = Op("core_attention", "attention", "attention", (core_fwd, FLASH_BWD_FACTOR * core_fwd, zero),
+              (core_fwd_bytes, core_bwd_bytes, zero), (zero + 1.0, zero + 2.0, zero),
+              (core_fwd, FLASH_BWD_FACTOR * core_fwd / 2.0, zero), True)
+    return [
+        _memory("attn_norm", "attention", 2.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+        _gemm("qkv_proj", "attention", "gemm", T, h, (h_q + 2.0 * h_kv) / tp, b_in, b),
+        _memory("rope", "attention", 2.0 * b * T * (h_q + h_kv) / tp, 2.0 * b * T * (h_q + h_kv) / tp),
+        core,
+        _gemm("out_proj", "attention", "gemm", T, h_q / tp, h, b_in, b),
+        _memory("attn_residual", "attention", 3.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+    ]
+
+
+def _mlp_ops(prefix: str, block: str, sh: dict[str, Any], width: Any, b: Any, b_in: Any) -> list[Op]:
+    """Megatron MLP split over tp: up (gate+up fused when gated), activation, down."""
+    T, h, tp, gated = sh["T"], sh["h"], sh["tp"], sh["gated"]
+    act_f, act_b = _act_bytes(gated, T, width / tp, b)
+    return [
+        _gemm(f"{prefix}_up", block, "gemm", T, h, np.where(gated, 2.0, 1.0) * width / tp, b_in, b),
+        _memory(f"{prefix}_act", block, act_f, act_b),
+        _gemm(f"{prefix}_down", block, "gemm", T, width / tp, h, b_in, b),
+    ]
+
+
+def dense_ffn_ops(arch: Any, lay: Any) -> list[Op]:
+    """Norm, dense MLP of width d_ff_dense, residual."""
+    sh = shapes(arch, lay)
+    b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
+    T_sp, h = sh["T_sp"], sh["h"]
+    width = np.asarray(arch.d_ff_dense, dtype=float)
+    return [
+        _memory("ffn_norm", "dense_ffn", 2.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+        *_mlp_ops("ffn", "dense_ffn", sh, width, b, b_in),
+        _memory("ffn_residual", "dense_ffn", 3.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+    ]
+
+
+def moe_ops(arch: Any, lay: Any) -> list[Op]:
+    """Norm, router (+softmax/top-k), permute, grouped expert GEMMs, un-permute and
+    combine, shared experts, residual."""
+    sh = shapes(arch, lay)
+    b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
+    T_sp, T_moe, M, h, etp = sh["T_sp"], sh["T_moe"], sh["M_exp"], sh["h"], sh["etp"]
+    E = np.asarray(arch.n_experts, dtype=float)
+    k = np.asarray(arch.top_k, dtype=float)
+    d_local = np.asarray(arch.d_expert, dtype=float) / etp
+    gated = sh["gated"]
+    act_f, act_b = _act_bytes(gated, M, d_local, b)
+    copies = T_moe * k
+    ops = [
+        _memory("moe_norm", "moe", 2.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+        _gemm("router", "moe", "gemm", T_moe, h, E, b, 4.0),
+        _memory("router_topk", "moe", 4.0 * T_moe * E * 2.0, 4.0 * T_moe * E * 3.0, 3.0, 3.0),
+        _memory("permute", "moe", 2.0 * b * copies * h, 2.0 * b * copies * h, 2.0, 2.0),
+        _gemm("expert_up", "moe", "expert_gemm", M, h, np.where(gated, 2.0, 1.0) * d_local, b_in, b,
+              groups=sh["E_local"]),
+        _memory("expert_act", "moe", act_f, act_b),
+        _gemm("expert_down", "moe", "expert_gemm", M, d_local, h, b_in, b, groups=sh["E_local"]),
+        _memory("unpermute_combine", "moe", b * (2.0 * copies + T_moe) * h, b * (3.0 * copies + T_moe) * h,
+                2.0, 3.0),
+    ]
+    shared_width = np.asarray(arch.n_shared_experts, dtype=float) * np.asarray(arch.d_expert, dtype=float)
+    ops += _mlp_ops("shared", "moe", sh, shared_width, b, b_in)
+    ops.append(_memory("moe_residual", "moe", 3.0 * b * T_sp * h, 3.0 * b * T_sp * h))
+    return ops
+
+
+def embedding_ops(arch: Any, lay: Any) -> list[Op]:
+    """Vocab-parallel embedding lookup (first stage); backward scatter-adds into the
+    fp32 gradient of the table."""
+    sh = shapes(arch, lay)
+    b = activation_bytes(lay)
+    return [_memory("embedding", "embedding", 2.0 * b * sh["T"] * sh["h"],
+                    (b + 2.0 * FP32_GRAD_BYTES) * sh["T"] * sh["h"], 2.0, 2.0)]
+
+
+def head_ops(arch: Any, lay: Any) -> list[Op]:
+    """Final norm, vocab-parallel LM head, fp32 softmax cross-entropy (last stage)."""
+    sh = shapes(arch, lay)
+    b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
+    T, T_sp, h, V, tp = sh["T"], sh["T_sp"], sh["h"], sh["V"], sh["tp"]
+    logits = T * V / tp
+    return [
+        _memory("final_norm", "head", 2.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+        _gemm("lm_head", "head", "gemm", T, h, V / tp, b_in, b),
+        # forward reads bf16 logits, writes and re-reads fp32 (max, exp-sum, loss);
+        # backward writes the fp32 softmax gradient and the bf16 logit gradient.
+        _memory("cross_entropy", "head", (b + 8.0) * logits, (4.0 + b) * logits, 4.0, 2.0),
+    ]
+
+
+def layer_ops(arch: Any, lay: Any) -> dict[str, list[Op]]:
+    """Every operator per block, for one micro-batch on one device: the explanation table.
+
+    Blocks: attention (every layer), dense_ffn (dense layers), moe (routed layers),
+    embedding (first pipeline stage), head (last stage). Counts per stage are in
+    `perfmodel.schedule.stage_layer_counts`.
+    """
+    return {
+        "attention": attention_ops(arch, lay),
+        "dense_ffn": dense_ffn_ops(arch, lay),
+        "moe": moe_ops(arch, lay),
+        "embedding": embedding_ops(arch, lay),
+        "head": head_ops(arch, lay),
+    }
+
+
+def layer_comms(arch: Any, lay: Any) -> dict[str, list[Comm]]:
+    """Collectives of each block per micro-batch on one device (before placement/pricing).
+
+    - attention / dense FFN: one tp all-reduce of T*h forward (after the row-parallel
+      projection) and one backward (Megatron); with sequence parallel it is a
+      reduce-scatter + all-gather of the same bytes, priced as one all-reduce.
+    - moe: all-to-all dispatch and combine forward, the same two backward, each
+      sending T_moe*top_k*h elements times MOE_LOAD_FACTOR (busiest rank); with
+      etp > 1 an all-gather before and a reduce-scatter after the experts over
+      etp; shared experts gather/scatter their tokens over tp like an MLP.
+    - attention with cp > 1: ring exchange of K and V (all-gather of cp chunks)
+      forward, K/V again plus their gradients (reduce-scatter) backward.
+    - embedding: without sequence parallel an all-reduce of the looked-up rows, with
+      it a reduce-scatter (Megatron VocabParallelEmbedding).
+    - head: with sequence parallel, all-gather the hidden states forward and
+      reduce-scatter their gradient backward; without, all-reduce the gradient
+      backward; vocab-parallel cross-entropy: 3 all-reduces of T fp32 values
+      (max, sum of exponentials, target logit).
+    """
+    sh = shapes(arch, lay)
+    b = activation_bytes(lay)
+    T, h, tp = sh["T"], sh["h"], sh["tp"]
+    hidden = b * T * h
+    k = np.asarray(arch.top_k, dtype=float)
+    a2a = b * sh["T_moe"] * k * h * MOE_LOAD_FACTOR
+    etp_buf = b * sh["M_exp"] * h
+    kv = b * sh["cp"] * T * 2.0 * sh["h_kv"] / tp
+    shared = np.where(np.asarray(arch.n_shared_experts) > 0, hidden, 0.0)
+    attn = [Comm("tp_attn_fwd", "attention", "tp", "all_reduce", "fwd", hidden),
+            Comm("tp_attn_bwd", "attention", "tp", "all_reduce", "bwd", hidden),
+            Comm("cp_kv_fwd", "attention", "cp", "all_gather", "fwd", kv),
+            Comm("cp_kv_bwd", "attention", "cp", "all_gather", "bwd", kv),
+            Comm("cp_dkv_bwd", "attention", "cp", "reduce_scatter", "bwd", kv)]
+    dense = [Comm("tp_ffn_fwd", "dense_ffn", "tp", "all_reduce", "fwd", hidden),
+             Comm("tp_ffn_bwd", "dense_ffn", "tp", "all_reduce", "bwd", hidden)]
+    moe = [Comm("ep_dispatch_fwd", "moe", "ep", "all_to_all", "fwd", a2a),
+           Comm("ep_combine_fwd", "moe", "ep", "all_to_all", "fwd", a2a),
+           Comm("ep_dispatch_bwd", "moe", "ep", "all_to_all", "bwd", a2a),
+           Comm("ep_combine_bwd", "moe", "ep", "all_to_all", "bwd", a2a),
+           Comm("etp_gather_fwd", "moe", "etp", "all_gather", "fwd", etp_buf),
+           Comm("etp_scatter_fwd", "moe", "etp", "reduce_scatter", "fwd", etp_buf),
+           Comm("etp_gather_bwd", "moe", "etp", "all_gather", "bwd", etp_buf),
+           Comm("etp_scatter_bwd", "moe", "etp", "reduce_scatter", "bwd", etp_buf),
+           Comm("tp_shared_fwd", "moe", "tp", "all_reduce", "fwd", shared),
+           Comm("tp_shared_bwd", "moe", "tp", "all_reduce", "bwd", shared)]
+    sp_hidden = np.where(sh["sp"], hidden, 0.0)
+    no_sp_hidden = np.where(sh["sp"], 0.0, hidden)
+    embedding = [Comm("tp_embedding_fwd", "embedding", "tp", "all_reduce", "fwd", no_sp_hidden),
+                 Comm("tp_embedding_sp_fwd", "embedding", "tp", "reduce_scatter", "fwd", sp_hidden)]
+    head = [Comm("tp_head_gather_fwd", "head", "tp", "all_gather", "fwd", sp_hidden),
+            Comm("tp_head_scatter_bwd", "head", "tp", "reduce_scatter", "bwd", sp_hidden),
+            Comm("tp_head_reduce_bwd", "head", "tp", "all_reduce", "bwd", no_sp_hidden),
+            *(Comm(f"tp_cross_entropy_{i}_fwd", "head", "tp", "all_reduce", "fwd", 4.0 * T) for i in range(3))]
+    return {"attention": attn, "dense_ffn": dense, "moe": moe, "embedding": embedding, "head": head}
