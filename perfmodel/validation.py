@@ -25,9 +25,12 @@ correct when the source counts FLOPs the same way; convention-free figures
 (step time, tokens/s) are preferred and are what the bundled CSV stores.
 
 Error of a row: APE = |predicted - measured| / measured on step time; the
-summary is the mean and max APE over rows the model calls feasible (a run that
-was really trained but is predicted infeasible is counted and reported apart,
-since it is a model error of a different kind).
+summary is the mean and max APE over every row with a step-time prediction.
+A run that really trained but that the model calls infeasible (memory above
+usable HBM, more devices than the cluster file) is still scored on step time,
+since `evaluate` computes its numbers, and is listed apart: it is a model error
+of a different kind. Only rows whose prediction is meaningless (a layout the
+model rejects, a precision the accelerator lacks) are left unscored.
 """
 
 from __future__ import annotations
@@ -286,6 +289,22 @@ def measured_step_time_s(run: PublishedRun, cluster: ClusterSpec) -> float:
     raise AssertionError(f"unhandled measure {run.measure}")
 
 
+UNSCORED_REASONS = ("invalid_layout", "precision")
+"""Infeasibility reasons whose step time is not a prediction (perfmodel.evaluate.REASONS)."""
+
+
+def _reason_names(result: Any, n: int) -> list[str]:
+    """Reason of each row as a name ('' when feasible); integer codes index perfmodel.evaluate.REASONS."""
+    feasible = np.asarray(result.feasible, dtype=bool).reshape(-1)
+    raw = np.asarray(result.reason).reshape(-1)
+    if np.issubdtype(raw.dtype, np.integer):
+        from perfmodel.evaluate import REASONS
+        names = [REASONS[int(code)] for code in raw]
+    else:
+        names = [str(code) for code in raw]
+    return ["" if feasible[i] else names[i] for i in range(n)]
+
+
 def _default_evaluate() -> Callable[..., Any]:
     try:
         from perfmodel.evaluate import evaluate
@@ -304,7 +323,8 @@ def compare(
     One `evaluate` call per cluster (vectorised over that cluster's runs). Columns:
     run_id, model, cluster, devices, precision, layout, measure, value,
     measured_step_time_s, predicted_step_time_s, ape, signed_error (predicted/measured - 1),
-    measured/predicted tokens_per_s_per_device and mfu, feasible, reason, source.
+    measured/predicted tokens_per_s_per_device and mfu, predicted_memory_per_device_bytes,
+    usable_hbm_bytes, feasible, reason (a name; '' when feasible), source.
     """
     evaluate = evaluate or _default_evaluate()
     frames = []
@@ -318,14 +338,15 @@ def compare(
         result = evaluate(archs, layouts, spec, devices=devices)
         predicted = np.asarray(result.step_time_s, dtype=float).reshape(-1)
         feasible = np.asarray(result.feasible, dtype=bool).reshape(-1)
-        reason = np.asarray(result.reason).reshape(-1)
+        reason = _reason_names(result, len(group))
+        memory = np.asarray(result.memory_per_device_bytes, dtype=float).reshape(-1)
         pred_tps = np.asarray(result.tokens_per_s_per_device, dtype=float).reshape(-1)
         pred_mfu = np.asarray(result.mfu, dtype=float).reshape(-1)
         for i, run in enumerate(group):
             measured = measured_step_time_s(run, spec)
             peak = spec.accelerator.peak(run.layout.precision)
             meas_tps = run.tokens_per_step / (measured * run.devices)
-            ok = bool(feasible[i]) and math.isfinite(predicted[i]) and predicted[i] > 0
+            ok = reason[i] not in UNSCORED_REASONS and math.isfinite(predicted[i]) and predicted[i] > 0
             frames.append({
                 "run_id": run.run_id,
                 "model": run.model,
@@ -343,8 +364,10 @@ def compare(
                 "predicted_tokens_per_s_per_device": float(pred_tps[i]) if ok else math.nan,
                 "measured_mfu": meas_tps * float(model_flops_per_token(run.arch)) / peak,
                 "predicted_mfu": float(pred_mfu[i]) if ok else math.nan,
+                "predicted_memory_per_device_bytes": float(memory[i]),
+                "usable_hbm_bytes": float(spec.accelerator.usable_hbm_bytes),
                 "feasible": bool(feasible[i]),
-                "reason": str(reason[i]) if not feasible[i] else "",
+                "reason": reason[i],
                 "source": run.source,
             })
     order = {run.run_id: k for k, run in enumerate(runs)}
@@ -353,12 +376,13 @@ def compare(
 
 
 def summarize(frame: pd.DataFrame) -> dict[str, Any]:
-    """Mean and max absolute percentage error (in %) over the rows predicted feasible."""
-    scored = frame[frame["feasible"] & frame["ape"].notna()]
+    """Mean, median and max absolute percentage error (in %) over every scored row."""
+    scored = frame[frame["ape"].notna()]
     summary: dict[str, Any] = {
         "runs": int(len(frame)),
         "compared": int(len(scored)),
-        "predicted_infeasible": [str(r) for r in frame.loc[~frame["feasible"], "run_id"]],
+        "predicted_infeasible": {str(r.run_id): str(r.reason) for r in frame.loc[~frame["feasible"]].itertuples()},
+        "unscored": [str(r) for r in frame.loc[frame["ape"].isna(), "run_id"]],
         "mean_ape_pct": None,
         "max_ape_pct": None,
         "median_ape_pct": None,

@@ -47,15 +47,19 @@ def validate(
 
     table = Table(title=f"predicted vs measured step time ({path.name})", show_lines=False)
     for column, justify in (("run", "left"), ("cluster", "left"), ("dev", "right"), ("prec", "left"),
-                            ("measured s", "right"), ("predicted s", "right"), ("error", "right"),
-                            ("MFU meas", "right"), ("MFU pred", "right"), ("note", "left")):
-        table.add_column(column, justify=justify, overflow="fold")
+                            ("meas. s", "right"), ("pred. s", "right"), ("error", "right"),
+                            ("MFU meas", "right"), ("MFU pred", "right"), ("flag", "left")):
+        table.add_column(column, justify=justify, no_wrap=column in ("run", "cluster"))
     for row in frame.itertuples(index=False):
+        flag = ""
+        if row.reason == "memory":
+            flag = f"memory {row.predicted_memory_per_device_bytes / 1e9:.0f}>{row.usable_hbm_bytes / 1e9:.0f} GB"
+        elif row.reason:
+            flag = row.reason
         table.add_row(
             row.run_id, row.cluster, str(row.devices), row.precision,
             _num(row.measured_step_time_s, ".3g"), _num(row.predicted_step_time_s, ".3g"), _pct(row.signed_error),
-            _num(row.measured_mfu, ".1%"), _num(row.predicted_mfu, ".1%"),
-            "" if row.feasible else f"predicted infeasible: {row.reason}",
+            _num(row.measured_mfu, ".1%"), _num(row.predicted_mfu, ".1%"), flag,
         )
     console.print(table)
     if summary["compared"]:
@@ -64,7 +68,9 @@ def validate(
                       f"mean signed error: {summary['mean_signed_error_pct']:+.1f}%  "
                       f"over {summary['compared']} of {summary['runs']} runs", highlight=False)
     else:
-        console.print("mean APE: n/a  max APE: n/a (no run was predicted feasible)", highlight=False)
+        console.print("mean APE: n/a  max APE: n/a (no run has a step-time prediction)", highlight=False)
     if summary["predicted_infeasible"]:
-        console.print(f"predicted infeasible although they ran: {', '.join(summary['predicted_infeasible'])}",
-                      highlight=False)
+        listed = ", ".join(f"{rid} ({why})" for rid, why in summary["predicted_infeasible"].items())
+        console.print(f"predicted infeasible although they ran (still scored unless unscored): {listed}", highlight=False)
+    if summary["unscored"]:
+        console.print(f"unscored (no meaningful prediction): {', '.join(summary['unscored'])}", highlight=False)

@@ -60,8 +60,13 @@ class FakeResult(SimpleNamespace):
     pass
 
 
-def fake_evaluate_factory(factor: float = 0.5, infeasible: tuple[int, ...] = ()):
-    """A stand-in for perfmodel.evaluate: step time = model FLOPs / (devices * factor * peak)."""
+def fake_evaluate_factory(factor: float = 0.5, infeasible: dict[int, str] | None = None):
+    """A stand-in for perfmodel.evaluate: step time = model FLOPs / (devices * factor * peak).
+
+    `infeasible` maps a row index to the reason code (an index into perfmodel.evaluate.REASONS).
+    """
+    from perfmodel.evaluate import REASONS
+    infeasible = infeasible or {}
     calls = []
 
     def evaluate(archs, layouts, cluster, devices=None):
@@ -70,12 +75,14 @@ def fake_evaluate_factory(factor: float = 0.5, infeasible: tuple[int, ...] = ())
         peak = np.asarray([cluster.accelerator.peak(precision[int(code)]) for code in layouts.precision])
         tokens = layouts.gbs * archs.seq_len
         step = tokens * model_flops_per_token(archs) / (devices * factor * peak)
-        feasible = np.ones(len(archs), dtype=bool)
-        feasible[list(infeasible)] = False
-        reason = np.where(feasible, "", "memory")
+        reason = np.zeros(len(archs), dtype=np.int64)
+        for index, name in infeasible.items():
+            reason[index] = REASONS.index(name)
+        feasible = reason == 0
         tps = tokens / (step * devices)
         return FakeResult(step_time_s=step, tokens_per_s=tps * devices, tokens_per_s_per_device=tps,
-                          mfu=np.full(len(archs), factor), feasible=feasible, reason=reason)
+                          mfu=np.full(len(archs), factor), feasible=feasible, reason=reason,
+                          memory_per_device_bytes=np.full(len(archs), 1e9))
 
     evaluate.calls = calls
     return evaluate
@@ -129,25 +136,29 @@ def test_every_measure_converts_back_to_the_same_step_time(tmp_path, measure):
 # --- comparison and summary ----------------------------------------------------------------
 
 def test_ape_and_summary_follow_their_definitions(tmp_path):
-    rows = [row(run_id="a", value="2.0"), row(run_id="b", value="5.0", gbs="64"), row(run_id="c", value="1.0")]
+    rows = [row(run_id="a", value="2.0"), row(run_id="b", value="5.0", gbs="64"), row(run_id="c", value="1.0"),
+            row(run_id="d", value="3.0")]
     runs = load_runs(write_runs(tmp_path / "r.csv", rows))
     clusters = resolve_clusters(runs)
-    evaluate = fake_evaluate_factory(infeasible=(2,))
+    evaluate = fake_evaluate_factory(infeasible={2: "memory", 3: "invalid_layout"})
     frame = compare(runs, clusters, evaluate=evaluate)
-    assert evaluate.calls == [(3, "h100")]  # one vectorised call per cluster
-    assert list(frame["run_id"]) == ["a", "b", "c"]
+    assert evaluate.calls == [(4, "h100")]  # one vectorised call per cluster
+    assert list(frame["run_id"]) == ["a", "b", "c", "d"]
     predicted = frame["predicted_step_time_s"].to_numpy()
-    measured = np.array([2.0, 5.0, 1.0])
+    measured = np.array([2.0, 5.0, 1.0, 3.0])
     np.testing.assert_allclose(frame["measured_step_time_s"], measured)
-    expected_ape = np.abs(predicted[:2] - measured[:2]) / measured[:2]
-    np.testing.assert_allclose(frame["ape"].to_numpy()[:2], expected_ape)
-    assert math.isnan(frame["ape"][2]) and not frame["feasible"][2] and frame["reason"][2] == "memory"
+    # a memory-infeasible run still has a step-time prediction and is scored; an invalid layout is not
+    expected_ape = np.abs(predicted[:3] - measured[:3]) / measured[:3]
+    np.testing.assert_allclose(frame["ape"].to_numpy()[:3], expected_ape)
+    assert list(frame["reason"]) == ["", "", "memory", "invalid_layout"]
+    assert math.isnan(frame["ape"][3]) and math.isnan(predicted[3])
     summary = summarize(frame)
-    assert summary["compared"] == 2 and summary["runs"] == 3
-    assert summary["predicted_infeasible"] == ["c"]
+    assert summary["compared"] == 3 and summary["runs"] == 4
+    assert summary["predicted_infeasible"] == {"c": "memory", "d": "invalid_layout"}
+    assert summary["unscored"] == ["d"]
     assert summary["mean_ape_pct"] == pytest.approx(100 * expected_ape.mean())
     assert summary["max_ape_pct"] == pytest.approx(100 * expected_ape.max())
-    assert summary["worst_run_id"] == ["a", "b"][int(np.argmax(expected_ape))]
+    assert summary["worst_run_id"] == ["a", "b", "c"][int(np.argmax(expected_ape))]
 
 
 def test_perfect_predictions_give_zero_error(tmp_path):
@@ -264,7 +275,7 @@ def test_cluster_map_loads_the_mapped_file(tmp_path):
 
 @pytest.fixture
 def fake_model(monkeypatch):
-    monkeypatch.setattr(validation, "_default_evaluate", lambda: fake_evaluate_factory(infeasible=(1,)))
+    monkeypatch.setattr(validation, "_default_evaluate", lambda: fake_evaluate_factory(infeasible={1: "invalid_layout"}))
 
 
 def test_cli_prints_table_and_summary_line(tmp_path, fake_model):
@@ -272,7 +283,7 @@ def test_cli_prints_table_and_summary_line(tmp_path, fake_model):
     result = CliRunner().invoke(app, ["validate", str(path)])
     assert result.exit_code == 0, result.output
     assert "mean APE:" in result.output and "max APE:" in result.output
-    assert "predicted infeasible" in result.output
+    assert "predicted infeasible" in result.output and "unscored" in result.output
 
 
 def test_cli_json_matches_library(tmp_path, fake_model):
@@ -280,7 +291,7 @@ def test_cli_json_matches_library(tmp_path, fake_model):
     result = CliRunner().invoke(app, ["validate", str(path), "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    _, summary = validate_runs(path, evaluate=fake_evaluate_factory(infeasible=(1,)))
+    _, summary = validate_runs(path, evaluate=fake_evaluate_factory(infeasible={1: "invalid_layout"}))
     assert payload["summary"] == summary
     assert [r["run_id"] for r in payload["rows"]] == ["a", "b", "c"]
     assert payload["rows"][1]["ape"] is None and payload["rows"][1]["feasible"] is False
@@ -294,3 +305,16 @@ def test_cli_bad_csv_exits_2_with_one_line(tmp_path, fake_model):
     assert len(lines) == 1 and lines[0].startswith("error:") and "column 'value'" in lines[0]
     result = CliRunner().invoke(app, ["validate", str(path), "--cluster-map", "h100"])
     assert result.exit_code == 2 and "error:" in result.output
+
+
+# --- the real model on the bundled runs ------------------------------------------------------
+
+def test_real_model_scores_every_bundled_run():
+    """Every published run gets a finite, positive step-time prediction from perfmodel.evaluate."""
+    frame, summary = validate_runs(bundled_runs_path())
+    assert summary["unscored"] == []
+    assert summary["compared"] == summary["runs"] == len(frame)
+    assert (frame["predicted_step_time_s"] > 0).all() and np.isfinite(frame["predicted_step_time_s"]).all()
+    assert 0 <= summary["median_ape_pct"] <= summary["max_ape_pct"]
+    assert summary["mean_ape_pct"] == pytest.approx(100 * frame["ape"].mean())
+    assert frame["predicted_mfu"].between(0.0, 1.0, inclusive="neither").all()
