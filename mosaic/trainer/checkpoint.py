@@ -73,9 +73,9 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, meshes: Meshes) -
     if meshes.ep > 1:
         for name in _expert_names(model):
             model_sd[name] = _wrap(model_sd[name], meshes)
-            for key, value in optim_sd["state"].get(name, {}).items():
-                if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    optim_sd["state"][name][key] = _wrap(value, meshes)
+            if name in optim_sd["state"]:  # a new dict: the optimizer's own state must stay plain tensors
+                optim_sd["state"][name] = {key: _wrap(value, meshes) if isinstance(value, torch.Tensor) and value.ndim > 0
+                                           else value for key, value in optim_sd["state"][name].items()}
     return {"model": model_sd, "optim": optim_sd}
 
 

@@ -42,6 +42,8 @@ class Sample:
     """(T,) int64 RoPE positions."""
     doc_ids: Optional[np.ndarray] = None
     """(T,) int64 document of each position (-1 for padding); None: one document."""
+    offset: int = -1
+    """Corpus position of the first token (token files; -1 for synthetic data)."""
 
 
 class SyntheticTokens:
@@ -154,7 +156,7 @@ class TokenFile:
         positions = np.zeros(T, dtype=np.int64)
         segment_start = np.maximum(self.offsets[doc], start)  # document start inside this chunk
         positions[:n] = pos - segment_start
-        return Sample(tokens=tokens, labels=labels, positions=positions, doc_ids=doc_ids)
+        return Sample(tokens=tokens, labels=labels, positions=positions, doc_ids=doc_ids, offset=start)
 
     def batch(self, indices: Sequence[int]) -> list[Sample]:
         return [self.sample(j) for j in indices]

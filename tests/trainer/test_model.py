@@ -1,0 +1,135 @@
+"""Single-device model: grouped experts == for-loop reference, routing, masking, recompute."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the trainer needs torch (extra 'train')")
+
+from mosaic.trainer.model import GroupedExperts, MoE, Transformer  # noqa: E402
+from mosaic.trainer.parallelize import _source_to_expert_major, apply_ac  # noqa: E402
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_grouped_experts_equal_loop_reference(gated):
+    torch.manual_seed(0)
+    experts = GroupedExperts(n_experts=4, d_model=16, d_expert=8, gated=gated)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    counts = torch.tensor([5, 0, 7, 3])  # an expert without tokens too
+    x = torch.randn(int(counts.sum()), 16, requires_grad=True)
+    grad_out = torch.randn(int(counts.sum()), 16)
+
+    y_grouped = experts.forward_grouped(x, counts)
+    y_grouped.backward(grad_out)
+    grads_grouped = [x.grad.clone()] + [p.grad.clone() for p in experts.parameters()]
+    x.grad = None
+    experts.zero_grad()
+    y_loop = experts.forward_loop(x, counts)
+    y_loop.backward(grad_out)
+    grads_loop = [x.grad] + [p.grad for p in experts.parameters()]
+
+    torch.testing.assert_close(y_grouped, y_loop, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_grouped, grads_loop):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_layer_equals_per_token_sum(tiny_arch):
+    """out(x) = sum over the chosen experts of weight * expert(x) + shared(x), token by token."""
+    torch.manual_seed(1)
+    moe = MoE(tiny_arch, router="softmax", experts_impl="grouped")
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(2, 5, tiny_arch.d_model)
+    out, _ = moe(x)
+    flat = x.reshape(-1, tiny_arch.d_model)
+    weights, ids, _, _ = moe.router(flat)
+    e = moe.experts
+    for n in range(flat.shape[0]):
+        expected = moe.shared(flat[n:n + 1])[0]
+        for k in range(tiny_arch.top_k):
+            i = int(ids[n, k])
+            h = torch.nn.functional.silu(flat[n] @ e.w1[i]) * (flat[n] @ e.w3[i])
+            expected = expected + weights[n, k] * (h @ e.w2[i])
+        torch.testing.assert_close(out.reshape(-1, tiny_arch.d_model)[n], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_router_aux_loss_is_one_when_balanced(tiny_arch):
+    moe = MoE(tiny_arch, router="softmax", experts_impl="grouped")
+    torch.nn.init.zeros_(moe.router.gate.weight)  # uniform probabilities
+    weights, ids, aux, counts = moe.router(torch.randn(8, tiny_arch.d_model))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(8))
+    assert int(counts.sum()) == 8 * tiny_arch.top_k
+    # E * sum_i f_i * P_i with P_i = 1/E is sum_i f_i = 1 whatever the choice
+    assert float(aux.detach()) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_sigmoid_router_bias_steers_selection_not_weights(tiny_arch):
+    moe = MoE(tiny_arch, router="sigmoid", experts_impl="grouped")
+    x = torch.randn(16, tiny_arch.d_model)
+    moe.router.expert_bias[2] = 100.0
+    weights, ids, aux, counts = moe.router(x)
+    assert (ids == 2).any(dim=-1).all()  # every token now picks expert 2
+    assert float(aux.detach()) == 0.0
+    torch.testing.assert_close(weights.sum(-1), torch.ones(16))
+    scores = torch.sigmoid(moe.router.gate(x))
+    chosen = scores.gather(-1, ids)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))  # bias not in the weights
+
+
+def test_packed_documents_do_not_see_each_other(tiny_arch):
+    """A document packed behind another gives the logits it gives alone (mask + RoPE restart)."""
+    torch.manual_seed(2)
+    model = Transformer(tiny_arch).eval()
+    doc_a = torch.randint(0, tiny_arch.vocab_size, (1, 6))
+    doc_b = torch.randint(0, tiny_arch.vocab_size, (1, 10))
+    packed = torch.cat([doc_a, doc_b], dim=1)
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10])
+    positions = torch.cat([torch.arange(6), torch.arange(10)])[None]
+    with torch.no_grad():
+        packed_logits, _ = model(packed, positions, doc_ids)
+        alone_logits, _ = model(doc_b)
+        unmasked_logits, _ = model(packed)
+    torch.testing.assert_close(packed_logits[:, 6:], alone_logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unmasked_logits[:, 6:], alone_logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_gives_the_same_gradients(tiny_arch, mode):
+    torch.manual_seed(3)
+    model = Transformer(tiny_arch)
+    tokens = torch.randint(0, tiny_arch.vocab_size, (2, tiny_arch.seq_len))
+
+    def grads():
+        model.zero_grad()
+        logits, aux = model(tokens)
+        (logits.square().mean() + aux).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    reference = grads()
+    for moe in model.moe_layers():
+        moe.reset_load()
+    apply_ac(model, mode)
+    recomputed = grads()
+    for a, b in zip(reference, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # the expert load counts each forward once, not again when recomputed
+    assert int(model.moe_layers()[0].load_E.sum()) == 2 * tiny_arch.seq_len * tiny_arch.top_k
+
+
+def test_dispatch_regroups_rows_expert_major():
+    counts_SE = torch.tensor([[2, 1], [0, 3], [1, 1]])  # 3 sources x 2 local experts
+    rows = torch.arange(int(counts_SE.sum()))  # received order: source-major
+    # source 0: e0 e0 e1 | source 1: e1 e1 e1 | source 2: e0 e1
+    expert_of = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1])
+    perm = _source_to_expert_major(counts_SE)
+    assert sorted(perm.tolist()) == rows.tolist()
+    assert expert_of[perm].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert perm.tolist() == [0, 1, 6, 2, 3, 4, 5, 7]  # stable: by source within an expert
+
+
+def test_tied_embeddings_share_one_matrix(tiny_arch):
+    model = Transformer(dataclasses.replace(tiny_arch, tie_embeddings=True))
+    assert model.output.weight is model.tok_embeddings.weight
