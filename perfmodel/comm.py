@@ -62,15 +62,22 @@ def group_geometry(lay: Any, group: str) -> tuple[Any, Any]:
     raise AssertionError(f"unknown group {group}")
 
 
-def collective_time(cluster: Any, kind: str, size_bytes: Any, n: Any, stride: Any) -> Any:
-    """Seconds for one `kind` collective of `size_bytes` over n ranks at `stride` (see module doc)."""
+def collective_coefficients(cluster: Any, kind: str, n: Any, stride: Any) -> tuple[Any, Any]:
+    """(seconds per byte, latency seconds) of a `kind` collective over n ranks at `stride`.
+
+    The bandwidth bytes at every level are proportional to the buffer, so the
+    time of a buffer S is S * slope + latency (for S > 0): the geometry is
+    walked once per group and kind, not once per message.
+    """
     assert kind in COLLECTIVES, kind
-    size = np.asarray(size_bytes, dtype=float)
     n = np.maximum(np.asarray(n, dtype=float), 1.0)
     stride = np.maximum(np.asarray(stride, dtype=float), 1.0)
-    bw_time = np.zeros(np.broadcast(size, n, stride).shape)
-    latency = np.zeros_like(bw_time)
-    c_prev = np.ones_like(bw_time)
+    shape = np.broadcast(n, stride).shape
+    slope = np.zeros(shape)
+    latency = np.zeros(shape)
+    if not np.any(n > 1.0):
+        return slope, latency
+    c_prev = np.ones(shape)
     last = len(cluster.levels) - 1
     for j, level in enumerate(cluster.levels):
         if j == last:
@@ -79,19 +86,29 @@ def collective_time(cluster: Any, kind: str, size_bytes: Any, n: Any, stride: An
             c = np.maximum(np.minimum(n, np.maximum(1.0, np.floor(level.devices / stride))), c_prev)
         fan = c / c_prev
         if kind == "all_reduce":
-            moved = 2.0 * (fan - 1.0) / fan * size / c_prev
+            per_byte = 2.0 * (fan - 1.0) / fan / c_prev
             steps = 2.0 * np.ceil(np.log2(fan) - 1e-9)
         elif kind in ("all_gather", "reduce_scatter"):
-            moved = (fan - 1.0) / fan * size / c_prev
+            per_byte = (fan - 1.0) / fan / c_prev
             steps = np.ceil(np.log2(fan) - 1e-9)
         elif kind == "all_to_all":
-            moved = (c - c_prev) / n * size
+            per_byte = (c - c_prev) / n
             steps = np.ceil(np.log2(fan) - 1e-9)
         else:  # p2p
-            moved = np.where(fan > 1.0, size, 0.0)
+            per_byte = np.where(fan > 1.0, 1.0, 0.0)
             steps = np.where(fan > 1.0, 1.0, 0.0)
-        bandwidth = level.bandwidth_bytes_per_s * level.efficiency_of(kind)
-        bw_time = np.maximum(bw_time, moved / bandwidth)
+        slope = np.maximum(slope, per_byte / (level.bandwidth_bytes_per_s * level.efficiency_of(kind)))
         latency = latency + np.maximum(steps, 0.0) * level.latency_s
         c_prev = c
-    return np.where((n > 1.0) & (size > 0.0), bw_time + latency, 0.0)
+    return slope, latency
+
+
+def collective_time(cluster: Any, kind: str, size_bytes: Any, n: Any, stride: Any,
+                    coefficients: Any = None) -> Any:
+    """Seconds for one `kind` collective of `size_bytes` over n ranks at `stride` (see module doc).
+
+    `coefficients`: a precomputed `collective_coefficients(...)` for the same group.
+    """
+    size = np.asarray(size_bytes, dtype=float)
+    slope, latency = coefficients if coefficients is not None else collective_coefficients(cluster, kind, n, stride)
+    return np.where(size > 0.0, size * slope + latency, 0.0)

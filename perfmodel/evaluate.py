@@ -42,9 +42,9 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from perfmodel.comm import collective_time, group_geometry
+from perfmodel.comm import collective_coefficients, collective_time, group_geometry
 from perfmodel.errors import InputError
-from perfmodel.memory import MEMORY_COMPONENTS, stage_memory, stage_params
+from perfmodel.memory import MEMORY_COMPONENTS, shard_sizes, stage_memory, stage_params
 from perfmodel.operators import (
     BF16,
     DDP,
@@ -256,6 +256,8 @@ class _Hardware:
         self.attn_present = np.flatnonzero(np.bincount(attn_code, minlength=len(PRECISIONS)))
         self.bw = acc.hbm_bandwidth_bytes_per_s
         self.mem_curve = acc.memory_efficiency
+        self.min_mem_eff = min(acc.memory_efficiency.values)
+        self._mem_cache: dict[Any, Any] = {}
 
     def _eff(self, codes: np.ndarray, present: np.ndarray, size: np.ndarray) -> np.ndarray:
         if len(present) == 1:
@@ -273,8 +275,52 @@ class _Hardware:
         return flops / (self.gemm_peak * self._eff(self.gemm_code, self.gemm_present, kernel_flops))
 
     def memory_time(self, nbytes: Any, kernels: Any) -> Any:
+        """bytes / (HBM bandwidth * eff_memory(bytes per kernel)); repeated operands
+        (the same array object, e.g. every norm's bytes) are priced once."""
+        key = (id(nbytes), kernels if np.ndim(kernels) == 0 else id(kernels))
+        hit = self._mem_cache.get(key)
+        if hit is not None and hit[0] is nbytes:
+            return hit[1]
         per_kernel = nbytes / np.maximum(kernels, 1.0)
-        return nbytes / (self.bw * self.mem_curve(per_kernel))
+        seconds = nbytes / (self.bw * self.mem_curve(per_kernel))
+        self._mem_cache[key] = (nbytes, seconds)
+        return seconds
+
+    def memory_time_bound(self, nbytes: Any) -> Any:
+        """Upper bound of memory_time at the curve's lowest efficiency (no interpolation)."""
+        return nbytes / (self.bw * self.min_mem_eff)
+
+
+class _Collectives:
+    """Collective pricing for a chunk, walking each (group, kind) geometry once."""
+
+    def __init__(self, cluster: Any, lay: Any) -> None:
+        self.cluster, self.lay = cluster, lay
+        self._coef: dict[tuple[str, str], Any] = {}
+
+    def time(self, group: str, kind: str, size_bytes: Any) -> Any:
+        key = (group, kind)
+        if key not in self._coef:
+            self._coef[key] = collective_coefficients(self.cluster, kind, *group_geometry(self.lay, group))
+        return collective_time(self.cluster, kind, size_bytes, None, None, coefficients=self._coef[key])
+
+
+def _max_with_memory(comp: Any, nbytes: Any, kernels: Any, hw: _Hardware) -> Any:
+    """max(compute, memory time), pricing memory only where it could win: rows that
+    are compute-bound even at the curve's lowest efficiency skip the lookup (exact)."""
+    maybe = comp < hw.memory_time_bound(nbytes)
+    if np.ndim(maybe) == 0:
+        return np.maximum(comp, hw.memory_time(nbytes, kernels)) if maybe else comp
+    idx = np.flatnonzero(maybe)
+    if idx.size == 0:
+        return comp
+    if idx.size * 2 > maybe.size:
+        return np.maximum(comp, hw.memory_time(nbytes, kernels))
+    out = np.array(comp, dtype=float, copy=True)
+    sub_bytes = np.broadcast_to(nbytes, maybe.shape)[idx]
+    per_kernel = sub_bytes / np.maximum(np.broadcast_to(kernels, maybe.shape)[idx], 1.0)
+    out[idx] = np.maximum(out[idx], sub_bytes / (hw.bw * hw.mem_curve(per_kernel)))
+    return out
 
 
 def op_times(op: Any, hw: _Hardware) -> tuple[Any, Any, Any]:
@@ -282,29 +328,30 @@ def op_times(op: Any, hw: _Hardware) -> tuple[Any, Any, Any]:
     out = []
     cached_size, cached_eff_time = None, None
     for j in range(3):
-        mem = hw.memory_time(op.bytes[j], op.kernels[j])
+        if np.ndim(op.bytes[j]) == 0 and op.bytes[j] == 0 and np.ndim(op.flops[j]) == 0 and op.flops[j] == 0:
+            out.append(0.0)  # nothing in this phase (e.g. no weight gradient)
+            continue
         if op.kind == "memory":
-            out.append(mem)
+            out.append(hw.memory_time(op.bytes[j], op.kernels[j]))
             continue
         if op.kernel_flops[j] is cached_size and cached_eff_time is not None and op.flops[j] is op.flops[0]:
-            comp = cached_eff_time
+            comp = cached_eff_time  # dgrad/wgrad GEMMs have the forward's size: same efficiency
         else:
             comp = hw.compute_time(op.kind, op.flops[j], op.kernel_flops[j])
             cached_size, cached_eff_time = op.kernel_flops[j], comp
-        out.append(np.maximum(comp, mem))
+        out.append(_max_with_memory(comp, op.bytes[j], op.kernels[j], hw))
     return out[0], out[1], out[2]
 
 
 # ---------------------------------------------------------------------------
 # One chunk
 
-def _block_tables(arch: Any, lay: Any, cluster: Any, hw: _Hardware) -> dict[str, dict[str, Any]]:
+def _block_tables(arch: Any, lay: Any, comm_cost: _Collectives, hw: _Hardware) -> dict[str, dict[str, Any]]:
     """Per block, per micro-batch: time per category and phase, overlappable time,
     kernels, the forward totals (for full recompute) and the attention core's
     forward (for selective recompute); and communication per class and phase."""
     tables: dict[str, dict[str, Any]] = {}
     comms = layer_comms(arch, lay)
-    geometry = {g: group_geometry(lay, g) for g in ("tp", "cp", "ep", "etp")}
     for block, builder in _BLOCK_BUILDERS:
         t: dict[str, Any] = {f"{ph}_{cat}": 0.0 for ph in ("fwd", "bwd") for cat in _CATS}
         t.update(fwd_overlap=0.0, bwd_overlap=0.0, fwd_kernels=0.0, bwd_kernels=0.0, core_fwd=0.0)
@@ -326,8 +373,7 @@ def _block_tables(arch: Any, lay: Any, cluster: Any, hw: _Hardware) -> dict[str,
         t["fwd_comm_kernels"] = 0.0
         t["bwd_comm_kernels"] = 0.0
         for comm in comms[block]:
-            n, stride = geometry[comm.group]
-            seconds = collective_time(cluster, comm.kind, comm.bytes, n, stride)
+            seconds = comm_cost.time(comm.group, comm.kind, comm.bytes)
             key = f"{comm.phase}_{_COMM_CLASS[comm.group]}"
             t[key] = t[key] + seconds
             t[f"{comm.phase}_comm_kernels"] = t[f"{comm.phase}_comm_kernels"] + (seconds > 0)
@@ -341,8 +387,8 @@ def _hide(comm: Any, fraction: float, window: Any) -> tuple[Any, Any]:
     return hidden, window - hidden
 
 
-def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, tables: dict[str, dict[str, Any]],
-           counts: dict[str, Any]) -> dict[str, Any]:
+def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collectives,
+           tables: dict[str, dict[str, Any]], counts: dict[str, Any]) -> dict[str, Any]:
     """Per-micro-batch and per-step times of one pipeline stage."""
     ov = cluster.overlap
     lat = hw.acc.launch_latency_s
@@ -350,8 +396,19 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, tables: dict[str, d
     full = rc == FULL
     selective = rc == SELECTIVE
 
+    memo: dict[tuple[str, tuple[str, ...]], Any] = {}
+
     def total(key: str, blocks: tuple[str, ...] = tuple(tables)) -> Any:
-        return sum(counts[b] * tables[b][key] for b in blocks)
+        """Sum over blocks of (blocks on this stage) x (per-block value); zero entries skipped."""
+        if (key, blocks) not in memo:
+            acc: Any = 0.0
+            for b in blocks:
+                value = tables[b][key]
+                if np.ndim(value) == 0 and value == 0:
+                    continue
+                acc = acc + counts[b] * value
+            memo[(key, blocks)] = acc
+        return memo[(key, blocks)]
 
     out: dict[str, Any] = {}
     for cat in _CATS:
@@ -376,19 +433,17 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, tables: dict[str, d
         comm[f"bwd_{cls}"] = total(f"bwd_{cls}") + np.where(full, total(f"fwd_{cls}", _LAYER_BLOCKS), 0.0)
     sh = shapes(arch, lay)
     p2p_bytes = activation_bytes(lay) * sh["T"] * sh["h"] / np.where(sh["sp"], sh["tp"], 1.0)
-    p2p = np.asarray(lay.vpp, dtype=float) * collective_time(cluster, "p2p", p2p_bytes, *group_geometry(lay, "pp"))
+    p2p = np.asarray(lay.vpp, dtype=float) * comm_cost.time("pp", "p2p", p2p_bytes)
     comm["fwd_pp"] = p2p
     comm["bwd_pp"] = p2p
     dense_params, expert_params = stage_params(arch, lay, counts)
     flavor = np.asarray(dp_flavor_code(lay))
     fsdp = flavor == FSDP
     gather_bytes = np.where(precision_code(lay) == FP32, 4.0, 2.0)
-    dp_n, dp_k = group_geometry(lay, "dp")
-    edp_n, edp_k = group_geometry(lay, "edp")
-    gather = (collective_time(cluster, "all_gather", gather_bytes * dense_params, dp_n, dp_k)
-              + collective_time(cluster, "all_gather", gather_bytes * expert_params, edp_n, edp_k))
-    grad_rs = (collective_time(cluster, "reduce_scatter", FP32_GRAD_BYTES * dense_params, dp_n, dp_k)
-               + collective_time(cluster, "reduce_scatter", FP32_GRAD_BYTES * expert_params, edp_n, edp_k))
+    gather = (comm_cost.time("dp", "all_gather", gather_bytes * dense_params)
+              + comm_cost.time("edp", "all_gather", gather_bytes * expert_params))
+    grad_rs = (comm_cost.time("dp", "reduce_scatter", FP32_GRAD_BYTES * dense_params)
+               + comm_cost.time("edp", "reduce_scatter", FP32_GRAD_BYTES * expert_params))
     comm["fwd_fsdp"] = np.where(fsdp, gather, 0.0)
     comm["bwd_fsdp"] = np.where(fsdp, gather + grad_rs, 0.0)
 
@@ -429,8 +484,8 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, tables: dict[str, d
     zero1 = flavor == ZERO1
     grads = np.where(
         ddp,
-        collective_time(cluster, "all_reduce", FP32_GRAD_BYTES * dense_params, dp_n, dp_k)
-        + collective_time(cluster, "all_reduce", FP32_GRAD_BYTES * expert_params, edp_n, edp_k),
+        comm_cost.time("dp", "all_reduce", FP32_GRAD_BYTES * dense_params)
+        + comm_cost.time("edp", "all_reduce", FP32_GRAD_BYTES * expert_params),
         np.where(zero1, grad_rs, 0.0))
     params_ag = np.where(zero1, gather, 0.0)
     local = np.maximum(dense_params + expert_params, 1.0)
@@ -441,7 +496,7 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, tables: dict[str, d
     out["dp_step_hidden"] = h_grads + h_params
 
     # optimizer step over the parameters this rank updates
-    shard_dense, shard_expert = np.asarray(lay.dp, dtype=float) * lay.cp, edp_n
+    shard_dense, shard_expert = shard_sizes(lay)
     sharded = flavor != DDP
     updated = np.where(sharded, dense_params / shard_dense + expert_params / shard_expert, dense_params + expert_params)
     opt_bytes = optimizer_step_bytes_per_param(lay) * updated
@@ -452,13 +507,14 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, tables: dict[str, d
 
 def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: Any, devices: np.ndarray) -> EvalResult:
     hw = _Hardware(cluster, lay, devices)
-    tables = _block_tables(arch, lay, cluster, hw)
+    comm_cost = _Collectives(cluster, lay)
+    tables = _block_tables(arch, lay, comm_cost, hw)
     counts = stage_layer_counts(arch, lay)
     m = micro_batches(lay)
     slots = bubble_slots(lay)
     stages = {}
     for name in ("first", "last"):
-        st = _stage(arch, lay, cluster, hw, tables, counts[name])
+        st = _stage(arch, lay, cluster, hw, comm_cost, tables, counts[name])
         st["base"] = (m + slots) * st["t_mb"] + st["dp_step_exposed"] + st["optimizer"]
         stages[name] = st
     last_slower = stages["last"]["base"] > stages["first"]["base"]

@@ -171,20 +171,31 @@ def _gemm(name: str, block: str, kind: str, m: Any, k: Any, n: Any, b_in: Any, b
     dgrad_bytes = b_in * (m * n + weights) + b_out * m * k
     wgrad_bytes = b_in * (m * k + m * n) + 2 * FP32_GRAD_BYTES * weights
     size = flops / groups
-    one = np.ones_like(np.asarray(flops, dtype=float))
     return Op(name, block, kind, (flops, flops, flops), (fwd_bytes, dgrad_bytes, wgrad_bytes),
-              (one, one, one), (size, size, size), True)
+              (1.0, 1.0, 1.0), (size, size, size), True)
 
 
 def _memory(name: str, block: str, fwd_bytes: Any, bwd_bytes: Any, kernels_fwd: float = 1.0,
             kernels_bwd: float = 1.0) -> Op:
     """A bandwidth-bound kernel (its few FLOPs per element are not the limit)."""
-    zero = np.zeros_like(np.asarray(fwd_bytes, dtype=float))
-    return Op(name, block, "memory", (zero, zero, zero), (fwd_bytes, bwd_bytes, zero),
-              (zero + kernels_fwd, zero + kernels_bwd, zero), (zero, zero, zero), False)
+    return Op(name, block, "memory", (0.0, 0.0, 0.0), (fwd_bytes, bwd_bytes, 0.0),
+              (kernels_fwd, kernels_bwd, 0.0), (0.0, 0.0, 0.0), False)
+
+
+_SHAPES_CACHE: list[Any] = [None, None, None]
 
 
 def shapes(arch: Any, lay: Any) -> dict[str, Any]:
+    """Token counts and widths (see `_shapes`), memoised for the last (arch, lay) pair."""
+    cache = _SHAPES_CACHE
+    if cache[0] is arch and cache[1] is lay:
+        return cache[2]
+    out = _shapes(arch, lay)
+    cache[:] = [arch, lay, out]
+    return out
+
+
+def _shapes(arch: Any, lay: Any) -> dict[str, Any]:
     """Token counts and widths of one micro-batch on one device (all as floats/arrays).
 
     T      tokens of the micro-batch on this rank: mbs * s / cp
@@ -201,13 +212,19 @@ def shapes(arch: Any, lay: Any) -> dict[str, Any]:
     h_kv = f(arch.n_kv_heads, dtype=float) * f(arch.head_dim, dtype=float)
     t_moe = tokens / tp
     n_experts = f(arch.n_experts, dtype=float)
+    b = activation_bytes(lay)
+    t_sp = np.where(sp, tokens / tp, tokens)
+    h = f(arch.d_model, dtype=float)
     return {
+        "b": b,
+        "norm_fwd_bytes": 2.0 * b * t_sp * h,
+        "norm_bwd_bytes": 3.0 * b * t_sp * h,
         "T": tokens,
-        "T_sp": np.where(sp, tokens / tp, tokens),
+        "T_sp": t_sp,
         "T_moe": t_moe,
         "M_exp": etp * t_moe * f(arch.top_k, dtype=float) * MOE_LOAD_FACTOR,
         "E_local": np.maximum(n_experts / ep, 1.0),
-        "h": f(arch.d_model, dtype=float),
+        "h": h,
         "h_q": h_q,
         "h_kv": h_kv,
         "V": f(arch.vocab_size, dtype=float),
@@ -230,21 +247,21 @@ def attention_ops(arch: Any, lay: Any) -> list[Op]:
     """Input norm, QKV projection, RoPE, flash-attention core, output projection, residual."""
     sh = shapes(arch, lay)
     b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
-    T, T_sp, h, h_q, h_kv, tp = sh["T"], sh["T_sp"], sh["h"], sh["h_q"], sh["h_kv"], sh["tp"]
+    T, h, h_q, h_kv, tp = sh["T"], sh["h"], sh["h_q"], sh["h_kv"], sh["tp"]
+    rope_bytes = 2.0 * b * T * (h_q + h_kv) / tp
     core_fwd = 4.0 * CAUSAL_FRACTION * T * sh["s"] * h_q / tp
     core_fwd_bytes = b * T * (2.0 * h_q + 2.0 * h_kv) / tp + 4.0 * T * sh["heads"] / tp
     core_bwd_bytes = b * T * (4.0 * h_q + 4.0 * h_kv) / tp + 4.0 * T * sh["heads"] / tp
-    zero = np.zeros_like(core_fwd)
-    core = Op("core_attention", "attention", "attention", (core_fwd, FLASH_BWD_FACTOR * core_fwd, zero),
-              (core_fwd_bytes, core_bwd_bytes, zero), (zero + 1.0, zero + 2.0, zero),
-              (core_fwd, FLASH_BWD_FACTOR * core_fwd / 2.0, zero), True)
+    core = Op("core_attention", "attention", "attention", (core_fwd, FLASH_BWD_FACTOR * core_fwd, 0.0),
+              (core_fwd_bytes, core_bwd_bytes, 0.0), (1.0, 2.0, 0.0),
+              (core_fwd, FLASH_BWD_FACTOR * core_fwd / 2.0, 0.0), True)
     return [
-        _memory("attn_norm", "attention", 2.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+        _memory("attn_norm", "attention", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
         _gemm("qkv_proj", "attention", "gemm", T, h, (h_q + 2.0 * h_kv) / tp, b_in, b),
-        _memory("rope", "attention", 2.0 * b * T * (h_q + h_kv) / tp, 2.0 * b * T * (h_q + h_kv) / tp),
+        _memory("rope", "attention", rope_bytes, rope_bytes),
         core,
         _gemm("out_proj", "attention", "gemm", T, h_q / tp, h, b_in, b),
-        _memory("attn_residual", "attention", 3.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+        _memory("attn_residual", "attention", sh["norm_bwd_bytes"], sh["norm_bwd_bytes"]),
     ]
 
 
@@ -263,12 +280,11 @@ def dense_ffn_ops(arch: Any, lay: Any) -> list[Op]:
     """Norm, dense MLP of width d_ff_dense, residual."""
     sh = shapes(arch, lay)
     b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
-    T_sp, h = sh["T_sp"], sh["h"]
     width = np.asarray(arch.d_ff_dense, dtype=float)
     return [
-        _memory("ffn_norm", "dense_ffn", 2.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+        _memory("ffn_norm", "dense_ffn", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
         *_mlp_ops("ffn", "dense_ffn", sh, width, b, b_in),
-        _memory("ffn_residual", "dense_ffn", 3.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+        _memory("ffn_residual", "dense_ffn", sh["norm_bwd_bytes"], sh["norm_bwd_bytes"]),
     ]
 
 
@@ -277,18 +293,19 @@ def moe_ops(arch: Any, lay: Any) -> list[Op]:
     combine, shared experts, residual."""
     sh = shapes(arch, lay)
     b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
-    T_sp, T_moe, M, h, etp = sh["T_sp"], sh["T_moe"], sh["M_exp"], sh["h"], sh["etp"]
+    T_moe, M, h, etp = sh["T_moe"], sh["M_exp"], sh["h"], sh["etp"]
     E = np.asarray(arch.n_experts, dtype=float)
     k = np.asarray(arch.top_k, dtype=float)
     d_local = np.asarray(arch.d_expert, dtype=float) / etp
     gated = sh["gated"]
     act_f, act_b = _act_bytes(gated, M, d_local, b)
     copies = T_moe * k
+    permute_bytes = 2.0 * b * copies * h
     ops = [
-        _memory("moe_norm", "moe", 2.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+        _memory("moe_norm", "moe", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
         _gemm("router", "moe", "gemm", T_moe, h, E, b, 4.0),
         _memory("router_topk", "moe", 4.0 * T_moe * E * 2.0, 4.0 * T_moe * E * 3.0, 3.0, 3.0),
-        _memory("permute", "moe", 2.0 * b * copies * h, 2.0 * b * copies * h, 2.0, 2.0),
+        _memory("permute", "moe", permute_bytes, permute_bytes, 2.0, 2.0),
         _gemm("expert_up", "moe", "expert_gemm", M, h, np.where(gated, 2.0, 1.0) * d_local, b_in, b,
               groups=sh["E_local"]),
         _memory("expert_act", "moe", act_f, act_b),
@@ -298,7 +315,7 @@ def moe_ops(arch: Any, lay: Any) -> list[Op]:
     ]
     shared_width = np.asarray(arch.n_shared_experts, dtype=float) * np.asarray(arch.d_expert, dtype=float)
     ops += _mlp_ops("shared", "moe", sh, shared_width, b, b_in)
-    ops.append(_memory("moe_residual", "moe", 3.0 * b * T_sp * h, 3.0 * b * T_sp * h))
+    ops.append(_memory("moe_residual", "moe", sh["norm_bwd_bytes"], sh["norm_bwd_bytes"]))
     return ops
 
 
@@ -315,10 +332,10 @@ def head_ops(arch: Any, lay: Any) -> list[Op]:
     """Final norm, vocab-parallel LM head, fp32 softmax cross-entropy (last stage)."""
     sh = shapes(arch, lay)
     b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
-    T, T_sp, h, V, tp = sh["T"], sh["T_sp"], sh["h"], sh["V"], sh["tp"]
+    T, h, V, tp = sh["T"], sh["h"], sh["V"], sh["tp"]
     logits = T * V / tp
     return [
-        _memory("final_norm", "head", 2.0 * b * T_sp * h, 3.0 * b * T_sp * h),
+        _memory("final_norm", "head", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
         _gemm("lm_head", "head", "gemm", T, h, V / tp, b_in, b),
         # forward reads bf16 logits, writes and re-reads fp32 (max, exp-sum, loss);
         # backward writes the fp32 softmax gradient and the bf16 logit gradient.
