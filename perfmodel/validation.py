@@ -93,6 +93,12 @@ class PublishedRun:
     notes: str
     line: int
     """Line of the row in its CSV (header = line 1), for error messages."""
+    file: str = ""
+    """Name of the CSV the row came from, for error messages."""
+
+    @property
+    def where(self) -> str:
+        return f"{self.file} line {self.line} (run_id '{self.run_id}')".lstrip()
 
     @property
     def tokens_per_step(self) -> int:
@@ -184,6 +190,7 @@ def _run_from_row(path: Path, line: int, row: Mapping[str, str]) -> PublishedRun
     return PublishedRun(
         run_id=run_id, model=values.get("model", run_id), cluster=values["cluster"], devices=devices, arch=arch,
         layout=layout, measure=measure, value=value, source=values["source"], notes=values.get("notes", ""), line=line,
+        file=path.name,
     )
 
 
@@ -258,13 +265,13 @@ def resolve_clusters(runs: Sequence[PublishedRun], cluster_map: Optional[Mapping
         try:
             clusters[run.cluster] = load_cluster(target)
         except InputError as exc:
-            raise InputError(f"line {run.line} (run_id '{run.run_id}'), column 'cluster': {exc}") from None
+            raise InputError(f"{run.where}, column 'cluster': {exc}") from None
     for run in runs:
         spec = clusters[run.cluster]
         try:
             spec.accelerator.peak(run.layout.precision)
         except InputError as exc:
-            raise InputError(f"line {run.line} (run_id '{run.run_id}'), column 'precision': {exc}") from None
+            raise InputError(f"{run.where}, column 'precision': {exc}") from None
     return clusters
 
 
