@@ -13,6 +13,7 @@ import typer
 from mosaic import __version__
 from mosaic.cli import calibrate as calibrate_cmd
 from mosaic.cli import clusters as clusters_cmd
+from mosaic.cli import plan as plan_cmd
 from mosaic.cli import train as train_cmd
 from mosaic.cli import validate as validate_cmd
 from mosaic.cli.common import set_debug
@@ -46,6 +47,7 @@ app.command("show-cluster")(clusters_cmd.show_cluster)
 app.command("train")(train_cmd.train)
 app.command("calibrate")(calibrate_cmd.calibrate)
 app.command("validate")(validate_cmd.validate)
+app.command("plan")(plan_cmd.plan)
 
 
 def main() -> None:

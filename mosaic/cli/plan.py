@@ -1,0 +1,172 @@
+"""`mosaic plan`: the model and the way to run it, for a cluster and a wall time."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from mosaic.cli.common import cli_errors, console, err_console, print_json
+
+
+def _si(value: Optional[float], unit: str = "", digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    for scale, prefix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.{digits}g}{prefix}{unit}"
+    return f"{value:.{digits}g}{unit}"
+
+
+def _geometry(model: dict[str, Any]) -> str:
+    moe = f"E={model['n_experts']} k={model['top_k']} G={model['granularity']:.3g}" if model["n_experts"] else "dense"
+    shared = f" Es={model['n_shared_experts']}" if model["n_shared_experts"] else ""
+    return f"L={model['n_layers']} h={model['d_model']} {moe}{shared}"
+
+
+def _layout(layout: Optional[dict[str, Any]]) -> str:
+    if layout is None:
+        return "none fits"
+    text = f"tp={layout['tp']} pp={layout['pp']} ep={layout['ep']} dp={layout['dp']} {layout['dp_flavor']}"
+    if layout["vpp"] > 1:
+        text += f" vpp={layout['vpp']}"
+    text += f" mbs={layout['mbs']} gbs={layout['gbs']} rc={layout['recompute']} {layout['precision']}"
+    return text
+
+
+def progress_bar(total: int, label: str, enabled: bool) -> Any:
+    """A rich progress bar with candidates/s; returns (context, advance)."""
+    from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:,.0f} candidates/s" if speed else "", style="cyan")
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
+                        Rate(), TimeElapsedColumn(), console=err_console, transient=True, disable=not enabled)
+    task = progress.add_task(label, total=total)
+
+    def advance(n: int) -> None:
+        progress.update(task, advance=n)
+
+    return progress, advance
+
+
+def render(payload: dict[str, Any]) -> None:
+    cl, co = payload["cluster_optimal"], payload["compute_optimal"]
+    on = co["predicted"]["on_cluster"]
+    budget = payload["budget"]
+    span = f"{budget['hours']} h" if "hours" in budget else f"{budget['days']} days"
+    title = f"{payload['cluster']['name']}: {budget['devices']} devices x {span} (fit {payload['fit']['name']})"
+    table = Table(title=title, show_lines=False)
+    table.add_column("")
+    table.add_column("cluster-optimal\n(deliverable compute, memory enforced)", style="green")
+    table.add_column("compute-optimal\n(fixed C_model at nominal MFU)", style="yellow")
+    cm, om = cl["model"], co["model"]
+    cp, op = cl["predicted"], co["predicted"]
+    rows = [
+        ("geometry", _geometry(cm), _geometry(om)),
+        ("params total / active", f"{_si(cm['n_total_params'])} / {_si(cm['n_active_params'])}",
+         f"{_si(om['n_total_params'])} / {_si(om['n_active_params'])}"),
+        ("sparsity S", f"{cm['sparsity']:.3f}", f"{om['sparsity']:.3f}"),
+        ("tokens D", _si(cl["tokens"]), f"{_si(co['tokens'])} (needs {on.get('days_needed') or 0:.1f} days here)"
+         if on["feasible"] else f"{_si(co['tokens'])}"),
+        ("predicted loss", f"{cp['loss']:.4f}", f"{op['loss']:.4f} (classic); in this budget: "
+         + (f"{on['loss_in_budget']:.4f}" if on.get("loss_in_budget") else "infeasible")),
+        ("layout", _layout(cl["layout"]), _layout(co["layout"])),
+        ("MFU", f"{cp['mfu']:.3f}", f"{on['mfu']:.3f} (nominal {op['nominal_mfu']:.2f})" if on["feasible"]
+         else f"infeasible ({on['reason']})"),
+        ("step time / tokens/s", f"{cp['step_time_s']:.2f} s / {_si(cp['tokens_per_s'])}",
+         f"{on['step_time_s']:.2f} s / {_si(on['tokens_per_s'])}" if on["feasible"] else "-"),
+        ("memory / device", f"{cp['memory_per_device_bytes'] / 1e9:.1f} GB",
+         f"{on['memory_per_device_bytes'] / 1e9:.1f} GB" if on["feasible"]
+         else f">= {(on.get('min_memory_per_device_bytes') or 0) / 1e9:.1f} GB"),
+        ("model FLOPs", _si(cp["model_flops"]), _si(op["model_flops"])),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    alts = payload["alternatives"]
+    if alts:
+        t2 = Table(title="next best (cluster-optimal)")
+        for col in ("#", "geometry", "S", "total/active", "tokens", "loss", "MFU", "layout"):
+            t2.add_column(col, no_wrap=col in ("geometry", "layout"), overflow="fold")
+        for i, a in enumerate(alts, 1):
+            m, p = a["model"], a["predicted"]
+            t2.add_row(str(i), _geometry(m), f"{m['sparsity']:.3f}", f"{_si(m['n_total_params'])}/{_si(m['n_active_params'])}",
+                       _si(a["tokens"]), f"{p['loss']:.4f}", f"{p['mfu']:.3f}", _layout(a["layout"]))
+        console.print(t2)
+    b = payload["binding"]
+    console.print(f"binding constraint: [bold]{b['constraint']}[/bold]: {b['detail']}; "
+                  f"memory headroom of the plan {100 * b['memory_headroom']:.0f}%", highlight=False)
+    s = payload["search"]
+    line = f"search: {s['solver']}, {s['geometries']:,} geometries x {s['layouts_per_geometry']:,} layouts"
+    if "evaluated_geometries" in s:
+        line += f", {s['evaluated_geometries']:,} timed, {s['pruned_geometries']:,} pruned by the loss bound"
+    if s.get("candidates_per_s"):
+        line += f", {s['candidates']:,} candidates at {s['candidates_per_s']:,.0f}/s"
+    if "status" in s:
+        line += f", status {s['status']}, gap {s.get('gap')}, solver time {s.get('solver_seconds', 0):.2f} s"
+    line += f", {s['seconds']:.1f} s"
+    console.print(line, highlight=False)
+    analysis = payload.get("analysis") or {}
+    if "sensitivity" in analysis:
+        t3 = Table(title="sensitivity (cluster-optimal)")
+        for col in ("change", "geometry", "loss", "MFU", "same geometry"):
+            t3.add_column(col)
+        for r in analysis["sensitivity"]:
+            t3.add_row(r["change"], r["geometry"], f"{r['loss']:.4f}" if r["loss"] else "infeasible",
+                       f"{r['mfu']:.3f}" if r["mfu"] else "-", "yes" if r["same_geometry"] else "no")
+        console.print(t3)
+    if "bootstrap" in analysis:
+        bs = analysis["bootstrap"]
+        if bs.get("p_beats_runner_up") is not None:
+            console.print(f"bootstrap ({bs['samples']} fits): P(plan beats runner-up) = {bs['p_beats_runner_up']:.2f}")
+        else:
+            console.print(f"bootstrap: {bs['note']}")
+
+
+@cli_errors
+def plan(
+    cluster: str = typer.Option(..., "--cluster", help="Bundled cluster name or cluster YAML path."),
+    devices: Optional[int] = typer.Option(None, "--devices", help="Devices of the job (default: the cluster file's)."),
+    days: Optional[float] = typer.Option(None, "--days", help="Wall time in days (default 20)."),
+    hours: Optional[float] = typer.Option(None, "--hours", help="Wall time in hours (instead of --days)."),
+    fit: Optional[str] = typer.Option(None, "--fit", help="Scaling-law fit YAML (default: the bundled fit)."),
+    space: Optional[str] = typer.Option(None, "--space", help="Search-space YAML (default: the bundled space)."),
+    solver: str = typer.Option("enumerate", "--solver", help="enumerate | scip | bonmin | mindtpy."),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="Write the plan YAML here."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    top: int = typer.Option(10, "--top", help="Alternatives to list."),
+    workers: int = typer.Option(1, "--workers", help="Processes for the enumeration (large spaces)."),
+    sensitivity: bool = typer.Option(False, "--sensitivity", help="Move budget, bandwidth and HBM by +-20%; bootstrap."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="Hide the progress bar."),
+) -> None:
+    """Plan a sparse MoE training run: the cluster-optimal and the compute-optimal answer side by side."""
+    from mosaic.planner import build_problem
+    from mosaic.planner.plan import result_to_json, solve, write_plan
+
+    if top < 0:
+        raise typer.BadParameter("--top must be >= 0")
+    problem = build_problem(cluster, devices=devices, days=days, hours=hours, fit=fit, space=space)
+    total = len(problem.geoms) * len(problem.evaluator.grid)
+    bar, advance = progress_bar(total, "planning", enabled=not json_output and not no_progress)
+    with bar:
+        result = solve(problem, solver=solver, top=top, progress=advance, workers=max(1, workers))
+    if sensitivity:
+        from mosaic.planner.sensitivity import bootstrap_comparison, sensitivity_table
+
+        result.extra["sensitivity"] = sensitivity_table(result)
+        result.extra["bootstrap"] = bootstrap_comparison(result)
+    if output:
+        write_plan(output, result)
+    payload = result_to_json(result)
+    if json_output:
+        print_json(payload)
+        return
+    render(payload)
+    if output:
+        console.print(f"plan written to {output}")

@@ -1,0 +1,330 @@
+"""The planner's answer: both budgets side by side, and the versioned plan file.
+
+`solve` runs a search (enumeration or MINLP) and assembles a `PlanResult`:
+cluster-optimal (fixed deliverable compute, memory enforced), compute-optimal
+(fixed C_model at the nominal MFU, systems ignored) with what that choice
+really costs on this cluster, the top alternatives, and the binding
+constraint. `plan_to_dict` / `write_plan` give the plan YAML (version 1) that
+`mosaic train --plan` reads (`model` and `layout` are the spec keys).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+import perfmodel
+from mosaic import __version__
+from mosaic.planner import law as lawmod
+from mosaic.planner.enumerate import Problem, Ranked, rank_cluster_optimal, rank_compute_optimal
+from perfmodel.errors import InfeasibleError, InputError
+from perfmodel.specs.architecture import (
+    ARCH_FIELDS,
+    MoEArchitecture,
+    active_params,
+    expert_sparsity,
+    granularity,
+    model_flops_per_token,
+    sparsity,
+    total_params,
+)
+from perfmodel.specs.layout import LAYOUT_FIELDS, ParallelLayout
+from perfmodel.specs.strict import write_yaml_atomic
+
+PLAN_VERSION = 1
+SOLVERS = ("enumerate", "scip", "bonmin", "mindtpy")
+
+
+def model_dict(arch: MoEArchitecture) -> dict[str, Any]:
+    """The MoEArchitecture keys plus derived sizes (non-embedding unless named)."""
+    out: dict[str, Any] = {name: getattr(arch, name) for name in ARCH_FIELDS}
+    out["n_total_params"] = float(total_params(arch))
+    out["n_active_params"] = float(active_params(arch))
+    out["n_total_params_with_embeddings"] = float(total_params(arch, embeddings=True))
+    out["sparsity"] = float(sparsity(arch))
+    out["expert_sparsity"] = float(expert_sparsity(arch))
+    out["granularity"] = float(granularity(arch))
+    return out
+
+
+def layout_dict(layout: Optional[ParallelLayout]) -> Optional[dict[str, Any]]:
+    return None if layout is None else {name: getattr(layout, name) for name in LAYOUT_FIELDS}
+
+
+@dataclass
+class Choice:
+    """One planned (geometry, layout, tokens) with its predictions."""
+
+    arch: MoEArchitecture
+    layout: Optional[ParallelLayout]
+    tokens: float
+    predicted: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": model_dict(self.arch), "layout": layout_dict(self.layout), "tokens": float(self.tokens),
+                "predicted": self.predicted}
+
+
+@dataclass
+class PlanResult:
+    problem: Problem
+    cluster_optimal: Choice
+    compute_optimal: Choice
+    alternatives: list[Choice]
+    binding: dict[str, Any]
+    search: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Sensitivity and bootstrap results when asked for."""
+
+
+def _evaluate_row(problem: Problem, arch: MoEArchitecture, layout: ParallelLayout) -> dict[str, Any]:
+    res = perfmodel.evaluate(arch, layout, problem.cluster, problem.budget.devices)
+    return res.row(0)
+
+
+def predicted_for(problem: Problem, arch: MoEArchitecture, layout: ParallelLayout, tokens: Optional[float] = None) -> dict[str, Any]:
+    """`mosaic predict` keys plus loss, tokens, wall time, model and deliverable FLOPs, goodput."""
+    row = _evaluate_row(problem, arch, layout)
+    wall = problem.budget.wall_time_s
+    tokens_budget = float(problem.tokens_in_budget(row["tokens_per_s"] or 0.0)) if row["feasible"] else 0.0
+    tokens = tokens_budget if tokens is None else float(tokens)
+    fpt = float(model_flops_per_token(arch))
+    peak = problem.cluster.accelerator.peak(layout.precision)
+    deliverable = problem.budget.devices * peak * (row["mfu"] or 0.0) * problem.eta * wall
+    out = dict(row)
+    out.update({
+        "loss": float(lawmod.loss(problem.law, arch, tokens)) if tokens > 0 else None,
+        "wall_time_s": wall,
+        "goodput": problem.eta,
+        "model_flops": fpt * tokens,
+        "deliverable_flops": deliverable if row["feasible"] else 0.0,
+        "flops_per_token": fpt,
+    })
+    return out
+
+
+def _geometry(problem: Problem, g: int) -> MoEArchitecture:
+    return problem.geoms.archs.row(int(g))
+
+
+def _choice_from_ranked(problem: Problem, ranked: Ranked, i: int) -> Choice:
+    g = int(ranked.index[i])
+    res = ranked.results
+    assert res is not None
+    layout = problem.evaluator.layout(res.best_layout[i], res.best_gbs[i])
+    arch = _geometry(problem, g)
+    return Choice(arch, layout, float(ranked.tokens[i]), predicted_for(problem, arch, layout))
+
+
+def compute_optimal_choice(problem: Problem, co: Ranked) -> Choice:
+    """The classic answer, plus what it really costs on this cluster (`on_cluster`)."""
+    g = int(co.index[0])
+    arch = _geometry(problem, g)
+    tokens = float(co.tokens[0])
+    res = problem.evaluate(np.asarray([g]))
+    co_spec = problem.space.compute_optimal
+    predicted: dict[str, Any] = {
+        "loss": float(co.loss[0]),
+        "model_flops": problem.c_model,
+        "nominal_mfu": co_spec.nominal_mfu,
+        "nominal_mfu_source": co_spec.source.strip(),
+        "wall_time_s": problem.budget.wall_time_s,
+        "goodput": problem.eta,
+        "flops_per_token": float(problem.flops_per_token[g]),
+    }
+    layout = None
+    if res.best_layout[0] >= 0:
+        layout = problem.evaluator.layout(res.best_layout[0], res.best_gbs[0])
+        real = predicted_for(problem, arch, layout)
+        tokens_per_s = real["tokens_per_s"]
+        days_needed = tokens / (tokens_per_s * problem.eta) / 86400.0
+        on_cluster = {
+            "feasible": True,
+            "mfu": real["mfu"],
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": real["step_time_s"],
+            "memory_per_device_bytes": real["memory_per_device_bytes"],
+            "days_needed": days_needed,
+            "tokens_in_budget": real_tokens(problem, tokens_per_s),
+            "loss_in_budget": real["loss"],
+            "deliverable_flops": real["deliverable_flops"],
+        }
+    else:
+        hbm = problem.cluster.accelerator.usable_hbm_bytes
+        need = float(res.min_memory_bytes[0])
+        on_cluster = {
+            "feasible": False,
+            "reason": "memory" if np.isfinite(need) else "invalid_layout",
+            "min_memory_per_device_bytes": need if np.isfinite(need) else None,
+            "usable_hbm_bytes": hbm,
+            "days_needed": None,
+            "loss_in_budget": None,
+        }
+    predicted["on_cluster"] = on_cluster
+    return Choice(arch, layout, tokens, predicted)
+
+
+def real_tokens(problem: Problem, tokens_per_s: float) -> float:
+    return float(problem.tokens_in_budget(tokens_per_s))
+
+
+def binding_constraint(problem: Problem, chosen: Choice, co_choice: Choice, ranked: Ranked) -> dict[str, Any]:
+    """What keeps the cluster-optimal plan from the compute-optimal one."""
+    hbm = problem.cluster.accelerator.usable_hbm_bytes
+    mem = chosen.predicted.get("memory_per_device_bytes") or 0.0
+    out: dict[str, Any] = {"memory_headroom": 1.0 - mem / hbm}
+    on = co_choice.predicted["on_cluster"]
+    if model_dict(chosen.arch) == model_dict(co_choice.arch):
+        out["constraint"] = "none"
+        out["detail"] = "the compute-optimal geometry is also cluster-optimal"
+    elif not on["feasible"]:
+        out["constraint"] = "memory"
+        need = on.get("min_memory_per_device_bytes")
+        need_txt = f"at least {need / 1e9:.1f} GB" if need else "no valid layout"
+        out["detail"] = (f"the compute-optimal geometry has no layout within usable HBM ({need_txt} per device, "
+                         f"usable {hbm / 1e9:.1f} GB)")
+    else:
+        out["constraint"] = "throughput"
+        out["detail"] = (f"the compute-optimal geometry reaches MFU {on['mfu']:.3f} on this cluster "
+                         f"(nominal {problem.space.compute_optimal.nominal_mfu:.2f}); the chosen geometry reaches "
+                         f"{chosen.predicted['mfu']:.3f} and a lower loss in the wall time")
+    return out
+
+
+def infeasible_error(problem: Problem, ranked: Ranked) -> InfeasibleError:
+    """No geometry has a feasible layout: name the binding constraint and the nearest relaxation."""
+    res = ranked.results
+    hbm = problem.cluster.accelerator.usable_hbm_bytes
+    if res is None or len(res.index) == 0 or not np.any(np.isfinite(res.min_memory_bytes)):
+        return InfeasibleError(
+            f"no valid layout: no tp/pp/ep/etp of the search space fits {problem.budget.devices} devices and the "
+            "geometries (divisibility rules); nearest relaxation: add tp/pp/ep values that divide the device count "
+            "and the head/expert counts to the space (--space)")
+    j = int(np.argmin(res.min_memory_bytes))
+    need = float(res.min_memory_bytes[j])
+    arch = _geometry(problem, int(res.index[j]))
+    return InfeasibleError(
+        f"memory binds: every candidate needs more than the usable HBM ({hbm / 1e9:.1f} GB per device); the smallest "
+        f"needs {need / 1e9:.1f} GB (d_model={arch.d_model}, n_layers={arch.n_layers}, n_experts={arch.n_experts}); "
+        f"nearest feasible relaxation: usable HBM >= {need / 1e9:.1f} GB, or smaller geometries in the space "
+        "(geometry.active_params / d_model), or more devices (--devices)")
+
+
+def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: Optional[Callable[[int], None]] = None,
+          workers: int = 1) -> PlanResult:
+    if solver not in SOLVERS:
+        raise InputError(f"--solver {solver!r} is unknown; use one of {', '.join(SOLVERS)}")
+    if len(problem.geoms) == 0:
+        raise InfeasibleError("the search space has no geometry in its active-parameter band; nearest relaxation: "
+                              "widen geometry.active_params or tokens_per_param, or add d_model/n_layers values")
+    t0 = time.perf_counter()
+    co = rank_compute_optimal(problem)
+    search: dict[str, Any] = {"solver": solver, "geometries": len(problem.geoms),
+                              "layouts_per_geometry": len(problem.evaluator.grid)}
+    if solver == "enumerate":
+        ranked = rank_cluster_optimal(problem, top=max(top, 2), progress=progress, workers=workers)
+        search.update({"evaluated_geometries": ranked.evaluated, "pruned_geometries": ranked.pruned_geometries,
+                       "candidates": ranked.pairs_seen})
+    else:
+        from mosaic.planner.minlp import solve_cluster_optimal
+
+        ranked, report = solve_cluster_optimal(problem, solver, top=max(top, 2), progress=progress)
+        search.update(report)
+    feasible = np.isfinite(ranked.loss)
+    if not np.any(feasible):
+        raise infeasible_error(problem, ranked)
+    n_ok = int(feasible.sum())
+    chosen = _choice_from_ranked(problem, ranked, 0)
+    alternatives = [_choice_from_ranked(problem, ranked, i) for i in range(1, min(top + 1, n_ok))]
+    co_choice = compute_optimal_choice(problem, co)
+    search["seconds"] = time.perf_counter() - t0
+    if search.get("candidates"):
+        search["candidates_per_s"] = search["candidates"] / max(search["seconds"], 1e-9)
+    binding = binding_constraint(problem, chosen, co_choice, ranked)
+    return PlanResult(problem, chosen, co_choice, alternatives, binding, search)
+
+
+# ---------------------------------------------------------------------------
+# The plan file.
+
+def plan_to_dict(result: PlanResult) -> dict[str, Any]:
+    p = result.problem
+    law = p.law
+    chosen = result.cluster_optimal
+    return {
+        "version": PLAN_VERSION,
+        "tool_version": __version__,
+        "cluster": {"name": p.cluster.name, "hash": p.cluster.content_hash()},
+        "fit": {"name": getattr(law, "name", "law"), "hash": law.content_hash()},
+        "budget": p.budget.as_dict(),
+        "model": {name: getattr(chosen.arch, name) for name in ARCH_FIELDS},
+        "tokens": float(chosen.tokens),
+        "layout": layout_dict(chosen.layout),
+        "predicted": _plain(chosen.predicted),
+        "derived": _plain({k: v for k, v in model_dict(chosen.arch).items() if k not in ARCH_FIELDS}),
+        "compute_optimal": _plain(result.compute_optimal.as_dict()),
+        "binding": _plain(result.binding),
+        "alternatives": [_plain(a.as_dict()) for a in result.alternatives],
+        "search": _plain(result.search),
+        **({"analysis": _plain(result.extra)} if result.extra else {}),
+    }
+
+
+def result_to_json(result: PlanResult) -> dict[str, Any]:
+    """The `--json` payload: {"cluster_optimal", "compute_optimal", "alternatives", ...}."""
+    p = result.problem
+    return _plain({
+        "cluster_optimal": result.cluster_optimal.as_dict(),
+        "compute_optimal": result.compute_optimal.as_dict(),
+        "alternatives": [a.as_dict() for a in result.alternatives],
+        "binding": result.binding,
+        "budget": p.budget.as_dict(),
+        "cluster": {"name": p.cluster.name, "hash": p.cluster.content_hash()},
+        "fit": {"name": getattr(p.law, "name", "law"), "hash": p.law.content_hash()},
+        "search": result.search,
+        **({"analysis": result.extra} if result.extra else {}),
+    })
+
+
+def _plain(obj: Any) -> Any:
+    """YAML/JSON-safe: numpy scalars to Python, non-finite floats to None."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):
+        obj = obj.item()
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
+
+
+def write_plan(path: str, result: PlanResult) -> None:
+    write_yaml_atomic(path, plan_to_dict(result))
+
+
+__all__ = ["PLAN_VERSION", "SOLVERS", "Choice", "PlanResult", "layout_dict", "model_dict", "plan_to_dict",
+           "predicted_for", "result_to_json", "solve", "write_plan"]
+
+
+def load_plan(path: str) -> tuple[MoEArchitecture, ParallelLayout, dict[str, Any]]:
+    """Read a plan file: (model, layout, the whole mapping). Strict on `model` and `layout`."""
+    from perfmodel.specs.strict import from_mapping, read_yaml
+
+    data = read_yaml(path)
+    if data.get("version") != PLAN_VERSION:
+        raise InputError(f"{path}: key 'version': {data.get('version')!r} is not supported; this MOSAIC reads "
+                         f"plan version {PLAN_VERSION}")
+    for key in ("model", "layout"):
+        if not isinstance(data.get(key), dict):
+            raise InputError(f"{path}: missing key '{key}'; write the plan with `mosaic plan -o`")
+    try:
+        arch = from_mapping(MoEArchitecture, data["model"], path="model")
+        layout = from_mapping(ParallelLayout, data["layout"], path="layout")
+    except InputError as exc:
+        raise InputError(f"{path}: {exc}") from None
+    return arch, layout, data

@@ -1,0 +1,313 @@
+"""The search space: a YAML a user can edit, resolved against a cluster and a budget.
+
+`SearchSpace` is loaded strictly (unknown keys are errors). `auto` entries are
+resolved by `resolve_space`:
+  layout.tp           powers of two up to min(node size, 8): TP stays inside a node
+                      and published recipes (Megatron-LM, MindSpeed) stop at 8
+  layout.sequence_parallel   on exactly when tp > 1
+  geometry.active_params     N_act with D/N_act in `tokens_per_param` under the
+                             compute-optimal budget C (C = 6 N D -> N = sqrt(C / (6 r)))
+`geometries` expands the geometry lists into an `ArchBatch` (vectorised);
+`layout_grid` expands the layout lists into a `LayoutBatch` whose gbs is filled
+per (geometry, layout) pair by `global_batch` (it depends on seq_len).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+
+from perfmodel.errors import InputError
+from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, active_params
+from perfmodel.specs.layout import DP_FLAVORS, LAYOUT_FIELDS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
+from perfmodel.specs.strict import check, load_spec, spec_from_dict
+
+IntList = tuple[int, ...]
+MAX_AUTO_TP = 8
+
+
+def _positive_list(values: tuple, key: str) -> None:
+    check(len(values) > 0, key, "is empty", "give at least one value")
+    check(all(v > 0 for v in values), key, f"values must be > 0, got {list(values)}", "use positive values")
+
+
+@dataclass(frozen=True)
+class GeometrySpace:
+    """Model geometries to search (lists are crossed; rules below filter the product)."""
+
+    d_model: IntList
+    n_layers: IntList
+    aspect_ratio: tuple[float, ...] = (32.0, 256.0)
+    """[min, max] of d_model / n_layers."""
+    head_dim: int = 128
+    """n_heads = d_model / head_dim."""
+    kv_heads: int = 8
+    """n_kv_heads = min(kv_heads, n_heads)."""
+    n_experts: IntList = (0, 8, 16, 32, 64)
+    """Routed experts; 0 = a dense model."""
+    top_k: IntList = (1, 2)
+    granularity: tuple[float, ...] = (1.0,)
+    """G values; d_expert = ffn_ratio * d_model / G rounded to d_expert_multiple."""
+    d_expert_multiple: int = 64
+    n_shared_experts: IntList = (0,)
+    n_dense_layers: IntList = (0,)
+    ffn_ratio: float = 4.0
+    gated_ffn: bool = True
+    tie_embeddings: bool = False
+    seq_len: IntList = (4096,)
+    vocab_size: IntList = (131072,)
+    active_params: Union[tuple[float, ...], str] = "auto"
+    """[min, max] active (non-embedding) parameters, or auto (from tokens_per_param)."""
+    tokens_per_param: tuple[float, ...] = (5.0, 2000.0)
+    """[min, max] D / N_act under the compute-optimal budget (used by active_params: auto)."""
+
+    def __post_init__(self) -> None:
+        for key in ("d_model", "n_layers", "top_k", "granularity", "seq_len", "vocab_size"):
+            _positive_list(getattr(self, key), key)
+        check(len(self.n_experts) > 0 and all(e >= 0 for e in self.n_experts), "n_experts",
+              "must list values >= 0", "use 0 for dense and positive expert counts")
+        check(all(e >= 0 for e in self.n_shared_experts) and len(self.n_shared_experts) > 0, "n_shared_experts",
+              "must list values >= 0", "e.g. [0, 1]")
+        check(all(e >= 0 for e in self.n_dense_layers) and len(self.n_dense_layers) > 0, "n_dense_layers",
+              "must list values >= 0", "e.g. [0, 1]")
+        check(len(self.aspect_ratio) == 2 and 0 < self.aspect_ratio[0] <= self.aspect_ratio[1], "aspect_ratio",
+              f"must be [min, max] with 0 < min <= max, got {list(self.aspect_ratio)}", "e.g. [32, 256]")
+        check(self.head_dim >= 1 and self.kv_heads >= 1 and self.d_expert_multiple >= 1, "head_dim",
+              "head_dim, kv_heads and d_expert_multiple must be >= 1", "give positive integers")
+        check(self.ffn_ratio > 0, "ffn_ratio", "must be > 0", "e.g. 4.0")
+        if isinstance(self.active_params, str):
+            check(self.active_params == "auto", "active_params", f"{self.active_params!r} is not 'auto'",
+                  "write auto or [min, max]")
+        else:
+            check(len(self.active_params) == 2 and 0 < self.active_params[0] <= self.active_params[1],
+                  "active_params", "must be [min, max] with 0 < min <= max", "e.g. [1.0e9, 5.0e10]")
+        check(len(self.tokens_per_param) == 2 and 0 < self.tokens_per_param[0] <= self.tokens_per_param[1],
+              "tokens_per_param", "must be [min, max] with 0 < min <= max", "e.g. [5, 2000]")
+
+
+@dataclass(frozen=True)
+class LayoutSpace:
+    """Parallel layouts to search for every geometry (crossed, then filtered by validity)."""
+
+    tp: Union[IntList, str] = "auto"
+    pp: IntList = (1, 2, 4, 8)
+    vpp: IntList = (1,)
+    ep: IntList = (1, 2, 4, 8)
+    etp: IntList = (1,)
+    cp: IntList = (1,)
+    dp_flavor: tuple[str, ...] = ("zero1",)
+    mbs: IntList = (1,)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    sequence_parallel: Union[tuple[bool, ...], str] = "auto"
+    precision: tuple[str, ...] = ("bf16",)
+    gbs_tokens: float = 8.0e6
+    """Global batch rule: smallest multiple of mbs*dp holding this many tokens."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp, str):
+            check(self.tp == "auto", "tp", f"{self.tp!r} is not 'auto'", "write auto or a list")
+        else:
+            _positive_list(self.tp, "tp")
+        for key in ("pp", "vpp", "ep", "etp", "cp", "mbs"):
+            _positive_list(getattr(self, key), key)
+        for key, allowed in (("dp_flavor", DP_FLAVORS), ("recompute", RECOMPUTE_MODES), ("precision", PRECISIONS)):
+            values = getattr(self, key)
+            check(len(values) > 0, key, "is empty", f"use some of {', '.join(allowed)}")
+            bad = [v for v in values if v not in allowed]
+            check(not bad, key, f"unknown value(s) {bad}", f"use some of {', '.join(allowed)}")
+        if isinstance(self.sequence_parallel, str):
+            check(self.sequence_parallel == "auto", "sequence_parallel", f"{self.sequence_parallel!r} is not 'auto'",
+                  "write auto or a list of true/false")
+        check(self.gbs_tokens > 0, "gbs_tokens", "must be > 0", "e.g. 8.0e6")
+
+
+@dataclass(frozen=True)
+class ComputeOptimalSpec:
+    """The classic budget: C_model = devices x peak x nominal MFU x goodput x wall time."""
+
+    nominal_mfu: float = 0.40
+    precision: str = "bf16"
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        check(0 < self.nominal_mfu <= 1, "nominal_mfu", f"must be in (0, 1], got {self.nominal_mfu}", "e.g. 0.40")
+        check(self.precision in PRECISIONS, "precision", f"{self.precision!r} is unknown", f"use one of {PRECISIONS}")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    geometry: GeometrySpace
+    layout: LayoutSpace = field(default_factory=LayoutSpace)
+    compute_optimal: ComputeOptimalSpec = field(default_factory=ComputeOptimalSpec)
+
+    def replace_geometry(self, **changes: object) -> SearchSpace:
+        return dataclasses.replace(self, geometry=dataclasses.replace(self.geometry, **changes))
+
+    def replace_layout(self, **changes: object) -> SearchSpace:
+        return dataclasses.replace(self, layout=dataclasses.replace(self.layout, **changes))
+
+
+def default_space_path() -> Path:
+    return Path(str(resources.files("mosaic") / "data" / "default_space.yaml"))
+
+
+def load_space(path: Optional[str] = None) -> SearchSpace:
+    """Load a search-space YAML strictly (None: the bundled default)."""
+    return load_spec(SearchSpace, path if path is not None else default_space_path())
+
+
+def space_from_dict(data: dict, source: str = "space") -> SearchSpace:
+    return spec_from_dict(SearchSpace, data, source=source)
+
+
+# ---------------------------------------------------------------------------
+# Resolution against cluster + budget.
+
+@dataclass(frozen=True)
+class ResolvedSpace:
+    """A space with every `auto` replaced by concrete values."""
+
+    space: SearchSpace
+    tp: IntList
+    sequence_parallel: tuple[bool, ...] | None
+    """None: auto (tp > 1)."""
+    active_params_range: tuple[float, float]
+
+
+def _powers_of_two_upto(limit: int) -> IntList:
+    return tuple(2**i for i in range(int(math.log2(max(limit, 1))) + 1))
+
+
+def resolve_space(space: SearchSpace, node_devices: int, compute_optimal_flops: float) -> ResolvedSpace:
+    lay = space.layout
+    tp = _powers_of_two_upto(min(node_devices, MAX_AUTO_TP)) if isinstance(lay.tp, str) else tuple(lay.tp)
+    sp = None if isinstance(lay.sequence_parallel, str) else tuple(lay.sequence_parallel)
+    geo = space.geometry
+    if isinstance(geo.active_params, str):
+        r_lo, r_hi = geo.tokens_per_param
+        # C = 6 N D and D = r N  ->  N = sqrt(C / (6 r))
+        band = (math.sqrt(compute_optimal_flops / (6.0 * r_hi)), math.sqrt(compute_optimal_flops / (6.0 * r_lo)))
+    else:
+        band = (float(geo.active_params[0]), float(geo.active_params[1]))
+    return ResolvedSpace(space=space, tp=tp, sequence_parallel=sp, active_params_range=band)
+
+
+# ---------------------------------------------------------------------------
+# Geometry expansion (vectorised).
+
+@dataclass(frozen=True)
+class GeometrySet:
+    """Candidate geometries plus the nominal G each was built from (sweeps group by it)."""
+
+    archs: ArchBatch
+    granularity_nominal: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.archs)
+
+    def take(self, index: np.ndarray) -> GeometrySet:
+        return GeometrySet(self.archs.take(index), self.granularity_nominal[index])
+
+
+def _round_to(x: np.ndarray, multiple: int) -> np.ndarray:
+    return np.maximum(multiple, np.round(x / multiple).astype(np.int64) * multiple)
+
+
+def geometries(resolved: ResolvedSpace) -> GeometrySet:
+    """All geometries of the space that pass the geometry rules and the active-parameter band."""
+    geo = resolved.space.geometry
+    grids = np.meshgrid(
+        np.asarray(geo.d_model), np.asarray(geo.n_layers), np.asarray(geo.n_experts), np.asarray(geo.top_k),
+        np.asarray(geo.granularity, dtype=float), np.asarray(geo.n_shared_experts), np.asarray(geo.n_dense_layers),
+        np.asarray(geo.seq_len), np.asarray(geo.vocab_size), indexing="ij",
+    )
+    h, n_layers, n_experts, top_k, gran, shared, dense_layers, seq, vocab = (g.ravel() for g in grids)
+    dense = n_experts == 0
+    # A dense model has no routing: collapse k, G, shared and dense-layer choices to one row.
+    top_k = np.where(dense, 0, top_k)
+    gran = np.where(dense, 1.0, gran)
+    shared = np.where(dense, 0, shared)
+    dense_layers = np.where(dense, 0, dense_layers)
+    aspect = h / n_layers
+    ok = (
+        (h % geo.head_dim == 0)
+        & (aspect >= geo.aspect_ratio[0]) & (aspect <= geo.aspect_ratio[1])
+        & (dense | (top_k < n_experts))
+        & (dense_layers < n_layers)
+    )
+    d_ff_ref = geo.ffn_ratio * h
+    d_expert = np.where(dense, 0, _round_to(d_ff_ref / gran, geo.d_expert_multiple))
+    needs_dense_ffn = dense | (dense_layers > 0)
+    d_ff_dense = np.where(needs_dense_ffn, _round_to(d_ff_ref, geo.d_expert_multiple), 0)
+    n_heads = h // geo.head_dim
+    n_kv = np.minimum(geo.kv_heads, n_heads)
+    ok &= (n_heads % np.maximum(n_kv, 1) == 0)
+    cols = {
+        "n_layers": n_layers, "d_model": h, "n_heads": n_heads, "n_kv_heads": n_kv,
+        "head_dim": np.full_like(h, geo.head_dim), "vocab_size": vocab, "seq_len": seq,
+        "n_experts": n_experts, "top_k": top_k, "n_shared_experts": shared, "d_expert": d_expert,
+        "d_ff_dense": d_ff_dense, "n_dense_layers": dense_layers,
+        "ffn_ratio": np.full(h.shape, float(geo.ffn_ratio)),
+        "gated_ffn": np.full(h.shape, bool(geo.gated_ffn)), "tie_embeddings": np.full(h.shape, bool(geo.tie_embeddings)),
+    }
+    cols = {k: (v.astype(np.int64) if k not in ("ffn_ratio", "gated_ffn", "tie_embeddings") else v) for k, v in cols.items()}
+    archs = ArchBatch(**{name: cols[name] for name in ARCH_FIELDS})
+    n_act = active_params(archs)
+    lo, hi = resolved.active_params_range
+    ok &= (n_act >= lo) & (n_act <= hi)
+    # Dense rows were collapsed: drop exact duplicates.
+    keep = np.flatnonzero(ok)
+    stacked = np.stack([np.asarray(cols[name], dtype=float)[keep] for name in ARCH_FIELDS], axis=1)
+    _, first = np.unique(stacked, axis=0, return_index=True)
+    keep = keep[np.sort(first)]
+    return GeometrySet(archs.take(keep), gran[keep])
+
+
+# ---------------------------------------------------------------------------
+# Layout grid.
+
+def layout_grid(resolved: ResolvedSpace, devices: int) -> LayoutBatch:
+    """Every combination of the layout lists with dp = devices / (tp*cp*pp); gbs is 0 (see global_batch)."""
+    lay = resolved.space.layout
+    sp_values = (False, True) if resolved.sequence_parallel is None else resolved.sequence_parallel
+    rows = []
+    for tp, pp, vpp, ep, etp, cp, flavor, mbs, rec, sp, prec in itertools.product(
+        resolved.tp, lay.pp, lay.vpp, lay.ep, lay.etp, lay.cp, lay.dp_flavor, lay.mbs, lay.recompute, sp_values,
+        lay.precision,
+    ):
+        if devices % (tp * cp * pp) != 0:
+            continue
+        if resolved.sequence_parallel is None and sp != (tp > 1):
+            continue
+        if vpp > 1 and pp == 1:
+            continue
+        rows.append((tp, pp, vpp, ep, etp, cp, devices // (tp * cp * pp), DP_FLAVORS.index(flavor), mbs, 0,
+                     RECOMPUTE_MODES.index(rec), sp, PRECISIONS.index(prec)))
+    if not rows:
+        raise InputError(f"search space: no layout of tp/cp/pp divides devices={devices}; "
+                         "add 1 to layout.tp, layout.pp and layout.cp")
+    table = np.asarray(rows, dtype=np.int64)
+    cols = {name: table[:, i] for i, name in enumerate(LAYOUT_FIELDS)}
+    cols["sequence_parallel"] = cols["sequence_parallel"].astype(bool)
+    return LayoutBatch(**cols)
+
+
+def global_batch(mbs: np.ndarray, dp: np.ndarray, seq_len: np.ndarray, gbs_tokens: float) -> np.ndarray:
+    """gbs rule: the smallest multiple of mbs*dp holding at least gbs_tokens tokens."""
+    unit = np.asarray(mbs) * np.asarray(dp)
+    want = np.ceil(gbs_tokens / np.asarray(seq_len))
+    return (np.maximum(1, np.ceil(want / unit)) * unit).astype(np.int64)
+
+
+__all__ = [
+    "ComputeOptimalSpec", "GeometrySet", "GeometrySpace", "LayoutSpace", "ResolvedSpace", "SearchSpace",
+    "default_space_path", "geometries", "global_batch", "layout_grid", "load_space", "resolve_space",
+    "space_from_dict",
+]
