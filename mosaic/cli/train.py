@@ -88,6 +88,8 @@ def build_config(*, plan: Optional[Path], model: Optional[Path], layout: Optiona
         arch, lay = load_model_file(model), parse_layout(layout)
     if nproc is not None and nproc < 1:
         raise InputError(f"--nproc {nproc}: must be >= 1")
+    if nproc is None and _under_torchrun():
+        nproc = int(os.environ["WORLD_SIZE"])  # launched by the user's own torchrun (multi-node, Slurm)
     if nproc is not None:
         devices = nproc
     elif lay.dp is not None:
