@@ -22,7 +22,6 @@ all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for p2p.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import subprocess
@@ -36,8 +35,8 @@ from typing import Optional
 from calibration.measurements import COLLECTIVE_KINDS, FIELDS, Measurement, read_csv, to_csv_text
 
 FAULT_ENV = "MOSAIC_CALIBRATION_FAULT"
-"""Test hook: `die:<rank>:<points>` or `hang:<rank>:<points>` makes that rank exit / sleep after
-rank 0 has measured <points> points (used by the tests of the timeout path)."""
+"""Test hook: `die:<rank>:<points>` or `hang:<rank>:<points>` makes that rank (not 0) exit / sleep
+once <points> points are measured (used by the tests of the timeout path)."""
 
 
 def bus_factor(collective: str, ranks: int) -> float:
@@ -59,16 +58,37 @@ def message_sizes(device_type: str, quick: bool) -> list[int]:
     return sizes
 
 
-def repeats_for(nbytes: int, quick: bool) -> tuple[int, int, int]:
-    """(warm-up, repeats, ops per repeat) for a message; fixed from the size so every rank agrees.
+def repeats_for(quick: bool) -> tuple[int, int]:
+    """(warm-up calls, timed repeats) per message size; fixed so every rank agrees."""
+    return (2, 31) if quick else (5, 51)
 
-    As nccl-tests does, a repeat times several back-to-back operations (small
-    messages) so scheduler jitter between ranks averages out inside it.
-    """
-    inner = int(min(16, max(1, 2**20 // max(nbytes, 1))))
-    if nbytes <= 2**20:
-        return (2, 15, inner) if quick else (5, 30, inner)
-    return (2, 9, inner) if quick else (3, 15, inner)
+
+def ops_per_repeat(nbytes: int) -> int:
+    """Operations in one timed repeat: one. (Batching small messages, as nccl-tests' iters do,
+    made every batch catch the multi-ms scheduler stalls of a busy 2-core host, while single
+    operations let the median step over them; a repeat costs a barrier either way.)"""
+    return 1
+
+
+def _time_repeat(op: Callable[[], object], inner: int, group: object, device: object) -> float:
+    """Seconds per operation of `inner` back-to-back calls after a barrier (device events on cuda/npu)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+    if device.type != "cpu":  # type: ignore[attr-defined]
+        backend = getattr(torch, device.type)  # type: ignore[attr-defined]
+        begin, end = backend.Event(enable_timing=True), backend.Event(enable_timing=True)
+        begin.record()
+        for _ in range(inner):
+            op()
+        end.record()
+        end.synchronize()  # NOTE: host-device sync per repeat
+        return begin.elapsed_time(end) * 1e-3 / inner
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        op()
+    return (time.perf_counter() - t0) / inner
 
 
 @dataclass(frozen=True)
@@ -140,6 +160,7 @@ def worker(out: Path, device_kind: str, quick: bool, level_names: list[str], lev
     precision = "fp32" if dtype == torch.float32 else "bf16"
     fault_mode, fault_rank, fault_points = _fault()
     rows: list[Measurement] = []
+    points_done = 0
     if rank == 0 and not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(",".join(FIELDS) + "\n")
@@ -153,51 +174,43 @@ def worker(out: Path, device_kind: str, quick: bool, level_names: list[str], lev
         assert mine is not None
         n = len(my_members)
         for collective in COLLECTIVE_KINDS:
-            for nbytes in message_sizes(device_kind, quick):
-                if fault_mode and rank == fault_rank and len(rows) >= fault_points and rank != 0:
-                    if fault_mode == "die":
-                        os._exit(3)
-                    time.sleep(3600)
-                count = max(n, (nbytes // elem) // n * n)  # divisible by the group size
-                size = count * elem
-                op = _make_op(collective, count, my_members, rank, mine, device, dtype)
-                warmup, repeats, inner = repeats_for(size, quick)
+            if fault_mode and rank == fault_rank and rank != 0 and points_done >= fault_points:
+                if fault_mode == "die":
+                    os._exit(3)
+                time.sleep(3600)
+            sizes = [max(n, (nbytes // elem) // n * n) * elem for nbytes in message_sizes(device_kind, quick)]
+            ops = [_make_op(collective, size // elem, my_members, rank, mine, device, dtype) for size in sizes]
+            warmup, repeats = repeats_for(quick)
+            inners = [ops_per_repeat(size) for size in sizes]
+            for op in ops:
                 for _ in range(warmup):
                     op()
-                synchronize(device)
-                times = torch.zeros(repeats, dtype=torch.float64)
-                backend = getattr(torch, device.type) if device.type != "cpu" else None
-                for i in range(repeats):
-                    dist.barrier(group=mine)
-                    if backend is not None:
-                        begin, end = backend.Event(enable_timing=True), backend.Event(enable_timing=True)
-                        begin.record()
-                        for _ in range(inner):
-                            op()
-                        end.record()
-                        end.synchronize()  # NOTE: host-device sync per repeat
-                        times[i] = begin.elapsed_time(end) * 1e-3 / inner
-                    else:
-                        t0 = time.perf_counter()
-                        for _ in range(inner):
-                            op()
-                        times[i] = (time.perf_counter() - t0) / inner
-                slowest = times.to(device=device, dtype=torch.float32 if device.type != "cpu" else torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=mine)  # a repeat ends when its slowest rank does
-                if rank == 0:
-                    stats = summarize(slowest.double().cpu().tolist())
-                    algbw = size / stats.median_s
-                    row = Measurement.from_stats(
-                        collective, device_kind, precision, {"ranks": n, "bytes": size}, 0.0, size, stats,
-                        level=spec.level, ranks=n, impl=impl, busbw_bytes_per_s=algbw * bus_factor(collective, n))
-                    rows.append(row)
-                    with out.open("a") as handle:
-                        handle.write(to_csv_text([row]).split("\n", 1)[1])
-                        handle.flush()
-                    if on_row is not None:
-                        on_row(row)
-                else:
-                    rows.append(dataclasses.replace(_PLACEHOLDER))  # keeps the fault hook's count in step
+            synchronize(device)
+            times = torch.zeros(len(sizes), repeats, dtype=torch.float64)
+            # Rounds interleave the sizes, so a burst of foreign load slows every size a
+            # little instead of one size a lot (the alpha-beta line stays consistent).
+            for i in range(repeats):
+                for j, (op, inner) in enumerate(zip(ops, inners)):
+                    times[j, i] = _time_repeat(op, inner, mine, device)
+            slowest = times.to(device=device, dtype=torch.float32 if device.type != "cpu" else torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=mine)  # a repeat ends when its slowest rank does
+            points_done += len(sizes)
+            if rank != 0:
+                continue
+            new_rows = []
+            for j, size in enumerate(sizes):
+                stats = summarize(slowest[j].double().cpu().tolist())
+                algbw = size / stats.median_s
+                new_rows.append(Measurement.from_stats(
+                    collective, device_kind, precision, {"ranks": n, "bytes": size}, 0.0, size, stats,
+                    level=spec.level, ranks=n, impl=impl, busbw_bytes_per_s=algbw * bus_factor(collective, n)))
+            rows.extend(new_rows)
+            with out.open("a") as handle:
+                handle.write(to_csv_text(new_rows).split("\n", 1)[1])
+                handle.flush()
+            for row in new_rows:
+                if on_row is not None:
+                    on_row(row)
     dist.barrier()
     if initialised_here:
         dist.destroy_process_group()
@@ -240,8 +253,6 @@ def _make_op(collective: str, count: int, members: list[int], rank: int, group: 
 
     return sendrecv
 
-
-_PLACEHOLDER = Measurement("all_reduce", "cpu", "fp32", "", 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
 
 
 # --------------------------------------------------------------------------- launcher

@@ -3,7 +3,9 @@
 - `fit_alpha_beta`: t(S) = alpha + S / algbw_peak for one (collective, level),
   fitted by robust least squares (soft-L1 loss on relative residuals, so one
   slow repeat-median does not drag the line) with standard errors from the
-  Jacobian and R^2 on the times. Bus bandwidth follows nccl-tests.
+  Jacobian, and R^2 of log time (the scale of the relative residuals; the R^2
+  of the raw times, dominated by the one or two largest messages, is kept
+  beside it). Bus bandwidth follows nccl-tests.
 - `fit_efficiency_curve`: achieved fraction of peak vs problem size, the median
   efficiency of each half-decade of sizes, as the cluster file's
   `EfficiencyCurve` (piecewise linear in log size).
@@ -42,8 +44,10 @@ class AlphaBetaFit:
     beta_rel_se: float
     """Relative standard error of 1/algbw."""
     r2: float
-    """Coefficient of determination of the fitted times (linear space)."""
+    """Coefficient of determination of log time (the scale the fit works on: relative residuals)."""
     points: int
+    r2_linear: float = float("nan")
+    """R^2 of the times themselves (dominated by the largest messages)."""
 
     @property
     def busbw_bytes_per_s(self) -> float:
@@ -61,7 +65,7 @@ def r_squared(observed: Sequence[float], predicted: Sequence[float]) -> float:
 
 
 def fit_alpha_beta_arrays(nbytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float, float, float, float]:
-    """(alpha_s, beta_s_per_byte, alpha_se, beta_se, r2) by robust relative least squares."""
+    """(alpha_s, beta_s_per_byte, alpha_se, beta_se, r2 of log time) by robust relative least squares."""
     S = np.asarray(nbytes, float)
     t = np.asarray(times_s, float)
     assert S.size >= 2 and S.size == t.size, "need two or more sizes"
@@ -87,7 +91,7 @@ def fit_alpha_beta_arrays(nbytes: Sequence[float], times_s: Sequence[float]) -> 
         alpha_se, beta_se = (float(math.sqrt(max(v, 0.0))) for v in np.diag(cov))
     except np.linalg.LinAlgError:
         alpha_se = beta_se = float("inf")
-    return float(alpha), float(beta), alpha_se, beta_se, r_squared(t, alpha + beta * S)
+    return float(alpha), float(beta), alpha_se, beta_se, r_squared(np.log(t), np.log(alpha + beta * S))
 
 
 def fit_alpha_beta(rows: Sequence[Measurement]) -> AlphaBetaFit:
@@ -95,9 +99,11 @@ def fit_alpha_beta(rows: Sequence[Measurement]) -> AlphaBetaFit:
     kinds = {(r.kind, r.level, r.ranks) for r in rows}
     assert len(kinds) == 1, f"rows mix collectives/levels: {kinds}"
     collective, level, ranks = kinds.pop()
-    alpha, beta, alpha_se, beta_se, r2 = fit_alpha_beta_arrays([r.bytes for r in rows], [r.median_s for r in rows])
+    sizes, times = [r.bytes for r in rows], [r.median_s for r in rows]
+    alpha, beta, alpha_se, beta_se, r2 = fit_alpha_beta_arrays(sizes, times)
+    r2_linear = r_squared(times, alpha + beta * np.asarray(sizes))
     return AlphaBetaFit(collective=collective, level=level, ranks=ranks, alpha_s=alpha, algbw_bytes_per_s=1.0 / beta,
-                        alpha_se_s=alpha_se, beta_rel_se=beta_se / beta, r2=r2, points=len(rows))
+                        alpha_se_s=alpha_se, beta_rel_se=beta_se / beta, r2=r2, points=len(rows), r2_linear=r2_linear)
 
 
 def fit_collectives(rows: Sequence[Measurement]) -> list[AlphaBetaFit]:

@@ -53,14 +53,31 @@ class Provenance:
     host: str = field(default_factory=socket.gethostname)
     notes: dict[str, str] = field(default_factory=dict)
     """Skipped precisions, grouped-GEMM fallback, collective failures."""
+    load_average: Optional[list[float]] = None
+    """1-minute host load average before and after measuring (other jobs disturb timings)."""
 
     def mapping(self) -> dict[str, Any]:
         return {
             "date": self.date, "host": self.host, "platform": platform.platform(), "device": self.device,
             "device_name": self.device_name, "ranks": self.ranks, "torch_version": self.torch_version,
             "driver": self.driver, "threads_per_rank": self.threads_per_rank, "quick": self.quick,
-            "notes": dict(self.notes),
+            "load_average_1min": self.load_average, "host_cpus": _cpus(), "notes": dict(self.notes),
         }
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def load_average() -> Optional[float]:
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -223,7 +240,7 @@ def calibrated_mapping(base: str, rows: Sequence[Measurement], provenance: Prove
             "collective": f.collective, "level": f.level, "ranks": f.ranks, "alpha_s": float(f"{f.alpha_s:.4g}"),
             "alpha_se_s": float(f"{f.alpha_se_s:.3g}"), "algbw_bytes_per_s": float(f"{f.algbw_bytes_per_s:.4g}"),
             "busbw_bytes_per_s": float(f"{f.busbw_bytes_per_s:.4g}"), "beta_rel_se": round(f.beta_rel_se, 4),
-            "r2": round(f.r2, 4), "points": f.points} for f in cal.collectives]
+            "r2": round(f.r2, 4), "r2_linear": round(f.r2_linear, 4), "points": f.points} for f in cal.collectives]
         section["levels_calibrated"] = sorted(by_level)
     data["name"] = f"{base_spec.name}_calibrated"
     data["description"] = f"{base_spec.description.strip()} Calibrated by mosaic calibrate on {provenance.host}, {provenance.date}."

@@ -111,10 +111,11 @@ def write_report(folder: Path, rows: Sequence[Measurement], spec: ClusterSpec, p
         ax.set_ylabel("time (s)")
         ax.legend(fontsize=7)
         lines += ["## Collectives (alpha-beta fits)", "", f"![collectives]({_save(fig, folder / 'collectives.png')})", "",
-                  "| collective | level | ranks | alpha (us) | busbw GB/s | R^2 | points |", "|---|---|---|---|---|---|---|"]
+                  "| collective | level | ranks | alpha (us) | busbw GB/s | R^2 (log time) | R^2 (time) | points |",
+                  "|---|---|---|---|---|---|---|---|"]
         for fit in fits:
             lines.append(f"| {fit.collective} | {fit.level} | {fit.ranks} | {fit.alpha_s * 1e6:.3g} | "
-                         f"{fit.busbw_bytes_per_s / 1e9:.3g} | {fit.r2:.3f} | {fit.points} |")
+                         f"{fit.busbw_bytes_per_s / 1e9:.3g} | {fit.r2:.3f} | {fit.r2_linear:.3f} | {fit.points} |")
         lines += ["", "Bus bandwidth per message size (nccl-tests convention, GB/s):", "",
                   "| collective | level | " + " | ".join(_human(s) for s in sorted({r.bytes for r in comm})) + " |",
                   "|---|---|" + "---|" * len({r.bytes for r in comm})]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from calibration.measurements import Measurement, read_csv, write_csv
-from calibration.profile import Provenance, measurements_path, write_calibrated
+from calibration.profile import Provenance, load_average, measurements_path, write_calibrated
 from perfmodel.clusters import load_cluster
 from perfmodel.errors import InputError, MosaicRuntimeError
 from perfmodel.specs.cluster import ClusterSpec
@@ -93,6 +93,7 @@ def calibrate(base: str, device_kind: str = "cpu", quick: bool = False, nproc: i
         raise InputError(f"-o {output}: the calibrated cluster must be a .yaml file")
     import torch
 
+    load_before = load_average()
     level_names = [lvl.name for lvl in spec.levels]
     level_devices = [lvl.devices for lvl in spec.levels]
     if measurements is not None:
@@ -131,7 +132,12 @@ def calibrate(base: str, device_kind: str = "cpu", quick: bool = False, nproc: i
             notes["collectives"] = "not measured (--nproc 1); fabric levels keep their base figures"
     provenance = Provenance(device=device_kind, device_name=name, ranks=ranks, torch_version=torch.__version__,
                             driver=driver_version(device_kind) if measurements is None else "unknown",
-                            threads_per_rank=threads if device_kind == "cpu" else None, quick=quick, notes=notes)
+                            threads_per_rank=threads if device_kind == "cpu" else None, quick=quick, notes=notes,
+                            load_average=None if measurements is not None else [load_before, load_average()])
+    busy = [x for x in (provenance.load_average or []) if x is not None and x > max(1, os.cpu_count() or 1)]
+    if busy:
+        notes["busy_host"] = (f"load average {max(busy)} exceeded the {os.cpu_count()} cpus while measuring: "
+                              "timings include other jobs' interference; rerun on a quiet machine for cleaner figures")
     out, csv, calibrated = write_calibrated(base, rows, provenance, output)
     report = None
     if report_dir is not None:

@@ -1,0 +1,78 @@
+"""Kernel benchmarks: grouped GEMM fast path equals the readable reference; grids and points are well formed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from calibration.kernels import (
+    KernelPoint,
+    expert_token_counts,
+    grouped_impl,
+    grouped_mm_bmm,
+    grouped_mm_fast,
+    grouped_mm_reference,
+    kernel_plan,
+    run_point,
+    supported_precisions,
+)
+from calibration.measurements import KERNEL_KINDS, read_csv, write_csv
+from calibration.timing import Budget
+
+
+@pytest.mark.parametrize(("experts", "tokens", "imbalance"), [(4, 32, 1.0), (8, 20, 2.0), (3, 7, 3.0), (1, 5, 1.0)])
+def test_expert_token_counts(experts, tokens, imbalance):
+    counts = expert_token_counts(experts, tokens, imbalance)
+    assert sum(counts) == experts * tokens and min(counts) >= 0
+    assert max(counts) == pytest.approx(imbalance * tokens, abs=experts)
+    aligned = expert_token_counts(8, 64, 2.0, align=16)
+    assert all(c % 16 == 0 for c in aligned) and sum(aligned) == 8 * 64
+
+
+def test_grouped_gemm_paths_agree_with_the_reference():
+    torch.manual_seed(0)
+    counts = expert_token_counts(4, 24, 2.0)
+    x = torch.randn(sum(counts), 16, dtype=torch.float64)
+    w = torch.randn(4, 16, 8, dtype=torch.float64)
+    reference = grouped_mm_reference(x, w, counts)
+    torch.testing.assert_close(grouped_mm_bmm(x, w, counts), reference)
+    impl, why = grouped_impl(torch.device("cpu"), torch.float32)
+    if impl == "grouped_mm":
+        offsets = torch.tensor(np.cumsum(counts), dtype=torch.int32)
+        fast = grouped_mm_fast(x.float(), w.float(), offsets)
+        torch.testing.assert_close(fast, reference.float(), rtol=1e-4, atol=1e-4)
+    else:
+        assert "fallback" in why
+
+
+def test_plan_covers_every_kernel_kind_and_points_time_positive():
+    device = torch.device("cpu")
+    precisions, skipped = supported_precisions(device)
+    assert "fp32" in precisions and "fp8" in skipped
+    plan = kernel_plan(device, True, precisions)
+    assert {p.kind for p in plan} == set(KERNEL_KINDS)
+    assert len(plan) < len(kernel_plan(device, False, precisions))
+    budget = Budget(warmup=1, min_repeats=3, max_repeats=3)
+    rows = [run_point(KernelPoint("gemm", "fp32", {"M": 64, "N": 32, "K": 16}), device, budget),
+            run_point(KernelPoint("grouped_gemm", "fp32", {"E": 2, "T": 8, "K": 16, "N": 16, "imbalance": 2.0}), device, budget),
+            run_point(KernelPoint("sdpa", "fp32", {"B": 1, "H": 2, "S": 32, "D": 16}), device, budget),
+            run_point(KernelPoint("mem_copy", "fp32", {"bytes": 4096}), device, budget),
+            run_point(KernelPoint("mem_add", "fp32", {"bytes": 4096}), device, budget),
+            run_point(KernelPoint("launch", "fp32", {"batch": 10}), device, budget)]
+    assert rows[0].flops == 2 * 64 * 32 * 16 and rows[2].flops == 4 * 2 * 32 * 32 * 16 / 2
+    assert rows[3].bytes == 2 * 4096 and rows[4].bytes == 3 * 4096
+    assert all(r.median_s > 0 and r.repeats == 3 for r in rows)
+    assert rows[1].impl in ("grouped_mm", "bmm")
+
+
+def test_measurements_csv_round_trip(tmp_path):
+    budget = Budget(warmup=0, min_repeats=2, max_repeats=2)
+    rows = [run_point(KernelPoint("gemm", "fp32", {"M": 8, "N": 8, "K": 8}), torch.device("cpu"), budget)]
+    path = write_csv(tmp_path / "m.csv", rows)
+    assert read_csv(path) == rows
+    path.write_text(path.read_text().replace("gemm,cpu,fp32", "gemm,cpu,fp32").replace(",2,", ",two,", 1))
+    from perfmodel.errors import InputError
+
+    with pytest.raises(InputError, match="line 2"):
+        read_csv(path)

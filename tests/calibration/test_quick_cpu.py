@@ -1,0 +1,98 @@
+"""`mosaic calibrate --quick` on cpu with 2 gloo ranks: a valid profile, sane figures, honest predictions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from calibration.measurements import COLLECTIVE_KINDS, KERNEL_KINDS
+from perfmodel.specs.cluster import COLLECTIVES
+
+
+def test_quick_run_writes_a_valid_profile_csv_and_report(quick_run, calibrated, rows):
+    assert quick_run["result"].exit_code == 0, quick_run["result"].output
+    assert calibrated.name.endswith("_calibrated")
+    cal = calibrated.calibration
+    prov = cal["provenance"]
+    for key in ("date", "host", "device", "device_name", "torch_version", "driver", "ranks"):
+        assert prov[key] not in (None, ""), key
+    assert prov["device"] == "cpu" and prov["ranks"] == 2 and prov["threads_per_rank"] == 1
+    assert cal["measurements_csv"] == quick_run["csv"].name and quick_run["csv"].exists()
+    assert {r.kind for r in rows} == set(KERNEL_KINDS) | set(COLLECTIVE_KINDS)
+    report = quick_run["report"]
+    text = (report / "report.md").read_text()
+    for png in ("compute.png", "memory.png", "collectives.png", "noise.png"):
+        assert (report / png).stat().st_size > 1000 and png in text
+    # The file on disk is plain YAML with a plain-mapping calibration section.
+    raw = yaml.safe_load(quick_run["output"].read_text())
+    assert isinstance(raw["calibration"], dict) and raw["version"] == 1
+
+
+def test_fitted_figures_are_sane(calibrated, rows):
+    acc = calibrated.accelerator
+    assert set(acc.peak_flops_per_s) == {"fp32", "bf16"}
+    for precision, peak in acc.peak_flops_per_s.items():
+        assert math.isfinite(peak) and peak > 1e9  # any cpu core does more than 1 GFLOP/s on a 1024^3 matmul
+        curve = acc.compute_efficiency[precision]
+        assert all(0 < v <= 1 for v in curve.values) and max(curve.values) == pytest.approx(1.0, abs=0.1)
+        assert "mosaic calibrate" in curve.source
+    assert acc.hbm_bandwidth_bytes_per_s > 1e9
+    assert all(0 < v <= 1 for v in acc.memory_efficiency.values)
+    assert 0 < acc.launch_latency_s < 1e-3
+    host = calibrated.levels[0]
+    assert host.bandwidth_bytes_per_s > 0 and 0 < host.efficiency <= 1 and host.latency_s > 0
+    assert set(host.collective_efficiency) == set(COLLECTIVES)
+    assert all(0 < v <= 1 for v in host.collective_efficiency.values())
+    fits = calibrated.calibration["collectives"]
+    assert {f["collective"] for f in fits} == set(COLLECTIVES)
+    for fit in fits:
+        assert fit["r2"] > 0.9, fit  # alpha-beta describes loopback gloo
+        assert fit["busbw_bytes_per_s"] > 0 and fit["alpha_s"] >= 0
+    for row in rows:
+        assert row.median_s > 0 and row.noise >= 0 and row.repeats >= 5
+
+
+def test_collective_rows_report_nccl_tests_bus_bandwidth(rows):
+    for row in rows:
+        if row.kind in COLLECTIVE_KINDS:
+            factor = {"all_reduce": 2 * (row.ranks - 1) / row.ranks, "p2p": 1.0}.get(row.kind, (row.ranks - 1) / row.ranks)
+            assert row.busbw_bytes_per_s == pytest.approx(row.bytes / row.median_s * factor, rel=1e-6)
+            assert row.level == "host" or row.level == "node"
+
+
+@pytest.mark.parametrize(("precision", "shape"), [("fp32", (384, 384, 384)), ("bf16", (384, 384, 384)),
+                                                  ("fp32", (320, 640, 448)), ("bf16", (200, 600, 300))])
+def test_calibrated_model_predicts_an_unmeasured_gemm_within_25_percent(calibrated, rows, precision, shape):
+    import torch
+
+    from calibration.fit import predict_time_s
+    from calibration.kernels import KernelPoint, run_point
+    from calibration.timing import Budget
+
+    M, N, K = shape
+    measured_shapes = {(r.shape_dict()["M"], r.shape_dict()["N"], r.shape_dict()["K"]) for r in rows if r.kind == "gemm"}
+    assert (M, N, K) not in measured_shapes
+    acc = calibrated.accelerator
+    flops = 2.0 * M * N * K
+    predicted = predict_time_s(acc.compute_curve(precision), acc.peak(precision), flops)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as calibrated: one thread per rank
+    try:
+        measured = run_point(KernelPoint("gemm", precision, {"M": M, "N": N, "K": K}), torch.device("cpu"),
+                             Budget(warmup=2, min_repeats=15, max_repeats=15)).median_s
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
+
+
+def test_refit_from_the_measurements_csv_reproduces_the_profile(quick_run, calibrated, tmp_path):
+    from calibration.run import calibrate
+
+    again = calibrate(calibrated.calibration["base_cluster"]["name"], output=tmp_path / "again.yaml",
+                      measurements=quick_run["csv"])
+    assert again.spec.accelerator.peak_flops_per_s == calibrated.accelerator.peak_flops_per_s
+    assert again.spec.levels[0] == calibrated.levels[0].__class__(**{**calibrated.levels[0].__dict__,
+                                                                    "source": again.spec.levels[0].source})
+    assert (tmp_path / "again.measurements.csv").read_text() == quick_run["csv"].read_text()

@@ -1,0 +1,90 @@
+"""Robust statistics and fits: outliers do not move results beyond their noise; alpha-beta recovers known figures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from calibration.fit import AlphaBetaFit, binned_curve, fit_alpha_beta_arrays, fit_efficiency_curve
+from calibration.profile import level_figures
+from calibration.stats import outlier_mask, summarize
+
+
+def test_injected_sample_outliers_stay_within_noise_on_real_timings():
+    import torch
+
+    from calibration.timing import Budget, time_samples
+
+    a = torch.randn(192, 192)
+    samples = time_samples(lambda: a @ a, torch.device("cpu"), Budget(warmup=2, min_repeats=25, max_repeats=25, max_seconds=0))
+    clean = summarize(samples)
+    dirty = summarize(samples + [20 * clean.median_s, 15 * clean.median_s, 0.01 * clean.median_s])
+    assert dirty.outliers >= 3
+    assert abs(dirty.median_s - clean.median_s) <= max(clean.iqr_s, 0.02 * clean.median_s)
+    assert clean.noise >= 0 and dirty.repeats == clean.repeats + 3
+
+
+def test_outlier_mask_keeps_steady_samples():
+    x = [1.0, 1.01, 0.99, 1.02, 0.98, 1.0, 5.0]
+    assert outlier_mask(x).tolist() == [True] * 6 + [False]
+    assert summarize([2.0] * 5).noise == 0.0
+
+
+def _synthetic(seed: int, noise: float = 0.05):
+    rng = np.random.default_rng(seed)
+    sizes = 4096.0 * 4.0 ** np.arange(8)
+    alpha, beta = 200e-6, 1 / 1.5e9
+    times = (alpha + beta * sizes) * (1 + noise * rng.standard_normal(sizes.size))
+    return sizes, times, alpha, beta
+
+
+def test_alpha_beta_recovers_known_figures():
+    sizes, times, alpha, beta = _synthetic(0)
+    a, b, a_se, b_se, r2 = fit_alpha_beta_arrays(sizes, times)
+    assert r2 > 0.99
+    assert abs(a - alpha) / alpha < 0.15 and abs(b - beta) / beta < 0.1
+    assert a_se > 0 and b_se > 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("where", [1, 4, 6])
+def test_injected_outlier_does_not_move_alpha_beta_beyond_noise(seed, where):
+    sizes, times, _, _ = _synthetic(seed)
+    a, b, a_se, b_se, _ = fit_alpha_beta_arrays(sizes, times)
+    dirty = times.copy()
+    dirty[where] *= 5.0
+    a2, b2, *_ = fit_alpha_beta_arrays(sizes, dirty)
+    assert abs(a2 - a) <= 2 * a_se + 1e-12, (a, a2, a_se)
+    assert abs(b2 - b) <= 2 * b_se, (b, b2, b_se)
+    # ordinary least squares would be dragged far away: the robust loss is doing the work
+    slope_ols = np.polyfit(sizes, dirty, 1)[0]
+    if where == 6:
+        assert abs(slope_ols - b) > 2 * b_se
+
+
+def test_efficiency_curve_bins_and_leave_one_out():
+    flops = np.array([1e6, 2e6, 1e7, 3e7, 1e8, 1e9])
+    eff = np.array([0.1, 0.12, 0.4, 0.5, 0.8, 0.9])
+    peak = 1e11
+    fit = fit_efficiency_curve(flops, flops / (peak * eff), peak, "test")
+    assert fit.peak == peak
+    assert all(0 < v <= 1 for v in fit.curve.values)
+    assert list(fit.curve.sizes) == sorted(fit.curve.sizes)
+    assert fit.max_abs_error > 0  # leave-one-out: a point is never predicted by itself
+    best = fit_efficiency_curve(flops, flops / (peak * eff), None, "test")
+    assert best.peak == pytest.approx(0.9 * peak)
+    assert max(best.curve.values) <= 1.0
+    curve = binned_curve([1e3, 1e6], [2.0, 1e-9], "clip")
+    assert curve.values == (1.0, 1e-4)
+
+
+def test_level_figures_are_fractions_and_respect_the_datasheet():
+    fits = [AlphaBetaFit("all_reduce", "node", 8, 10e-6, 200e9, 1e-6, 0.01, 0.99, 8),
+            AlphaBetaFit("all_to_all", "node", 8, 20e-6, 150e9, 1e-6, 0.01, 0.99, 8)]
+    wire = level_figures(fits, 450e9)
+    assert wire["bandwidth_bytes_per_s"] == 450e9 and wire["bandwidth_from"] == "datasheet"
+    assert wire["collective_efficiency"]["all_reduce"] == pytest.approx(200e9 * 2 * 7 / 8 / 450e9, rel=1e-3)
+    measured = level_figures(fits, None)
+    assert measured["bandwidth_bytes_per_s"] == pytest.approx(350e9, rel=1e-3)
+    assert all(0 < v <= 1 for v in measured["collective_efficiency"].values())
+    assert level_figures(fits, 100e9)["bandwidth_from"] == "measured"  # datasheet exceeded: trust the measurement
