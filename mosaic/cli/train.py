@@ -59,6 +59,26 @@ def _default_cluster(device: str) -> str:
     raise InputError(f"--cluster: cannot tell the cluster of CUDA device {name!r}; pass --cluster NAME or a cluster file")
 
 
+def _check_device(device: str, ranks: int) -> None:
+    """The device exists here (cpu always); a one-node launch needs a device per rank."""
+    if device == "cpu":
+        return
+    import torch
+
+    if device == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            raise InputError("--device npu needs torch_npu (pip install 'mosaic-planner[npu]')") from None
+    module = getattr(torch, device)
+    count = module.device_count() if module.is_available() else 0
+    if count == 0:
+        raise InputError(f"--device {device}: no {device} device is visible here; use --device cpu or run on a {device} machine")
+    if not _under_torchrun() and ranks > count:
+        raise InputError(f"--device {device}: {ranks} ranks but {count} devices on this machine; launch across nodes "
+                         "with your own torchrun (each rank runs `mosaic train`) or lower the world size")
+
+
 def _versions(device: str) -> dict[str, str]:
     import torch
 
@@ -98,6 +118,7 @@ def build_config(*, plan: Optional[Path], model: Optional[Path], layout: Optiona
         raise InputError("the layout has no dp; give --nproc N (ranks) or dp= in the layout")
     resolved = check_runnable(arch, lay, devices)
     precision = trainer_precision(resolved, device)
+    _check_device(device, devices)
     cluster_name = cluster or plan_cluster or _default_cluster(device)
     spec = load_cluster(cluster_name)
     spec.accelerator.peak(precision)  # the cluster must know the compute precision's peak

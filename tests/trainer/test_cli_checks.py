@@ -103,3 +103,12 @@ def test_help_works_without_importing_torch():
             "r = CliRunner().invoke(app, ['train', '--help']); assert r.exit_code == 0, r.output; "
             "assert '--plan' in r.output; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.check_call([sys.executable, "-c", code])
+
+
+def test_missing_accelerator_is_refused_before_launch(tmp_path, no_launch, tiny_model_file):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    result = CliRunner().invoke(app, ["train", "--model", str(tiny_model_file), "--layout", "dp=1,mbs=1,gbs=1",
+                                      "--device", "cuda", "--cluster", "h100", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "no cuda device" in result.output

@@ -133,3 +133,17 @@ def test_dispatch_regroups_rows_expert_major():
 def test_tied_embeddings_share_one_matrix(tiny_arch):
     model = Transformer(dataclasses.replace(tiny_arch, tie_embeddings=True))
     assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_bf16_autocast_forward_backward_stays_close_to_fp32(tiny_arch):
+    """The cuda/npu precision path (bf16 autocast) runs through grouped experts and routing."""
+    torch.manual_seed(4)
+    model = Transformer(tiny_arch)
+    tokens = torch.randint(0, tiny_arch.vocab_size, (2, tiny_arch.seq_len))
+    reference, _ = model(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, aux = model(tokens)
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), reference, rtol=0.05, atol=0.05)
+    (logits.float().square().mean() + aux).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
