@@ -20,7 +20,10 @@ alpha-beta as in Galvatron/SimAI/llm-analysis):
   inter-node hops), so the bandwidth time is the max over levels of
   bytes_j / (bandwidth_j * efficiency_j[collective]); latency adds:
   alpha_j * ceil(log2 f_j) per phase (tree depth; NCCL's tuning model), two
-  phases for all-reduce, one hop for p2p.
+  phases for all-reduce, one hop for p2p. A step at an outer level is
+  charged at least the largest alpha of the levels inside it (its message
+  also crosses them), so spreading a group over more levels never makes it
+  cheaper.
   Check against a measurement: 4 nodes x 8 B200, 4 GiB all-reduce, NVLink
   900 GB/s x 0.82 and NIC 50 GB/s x 0.74 gives busbw 0.38 TB/s; measured
   0.377-0.382 (hardware.md section 4, [S-net]).
@@ -79,7 +82,9 @@ def collective_coefficients(cluster: Any, kind: str, n: Any, stride: Any) -> tup
         return slope, latency
     c_prev = np.ones(shape)
     last = len(cluster.levels) - 1
+    alpha = 0.0
     for j, level in enumerate(cluster.levels):
+        alpha = max(alpha, level.latency_s)  # an outer step also crosses the inner levels
         if j == last:
             c = n + 0.0 * c_prev
         else:
@@ -98,7 +103,7 @@ def collective_coefficients(cluster: Any, kind: str, n: Any, stride: Any) -> tup
             per_byte = np.where(fan > 1.0, 1.0, 0.0)
             steps = np.where(fan > 1.0, 1.0, 0.0)
         slope = np.maximum(slope, per_byte / (level.bandwidth_bytes_per_s * level.efficiency_of(kind)))
-        latency = latency + np.maximum(steps, 0.0) * level.latency_s
+        latency = latency + np.maximum(steps, 0.0) * alpha
         c_prev = c
     return slope, latency
 

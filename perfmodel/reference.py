@@ -73,8 +73,9 @@ def collective_seconds(cluster: Any, kind: str, nbytes: float, n: float, stride:
     n, stride = max(n, 1.0), max(stride, 1.0)
     if n <= 1 or nbytes <= 0:
         return 0.0
-    worst, latency, inside_prev = 0.0, 0.0, 1.0
+    worst, latency, inside_prev, alpha = 0.0, 0.0, 1.0, 0.0
     for j, level in enumerate(cluster.levels):
+        alpha = max(alpha, level.latency_s)
         if j == len(cluster.levels) - 1:
             inside = n
         else:
@@ -89,7 +90,7 @@ def collective_seconds(cluster: Any, kind: str, nbytes: float, n: float, stride:
         else:
             moved, steps = (nbytes, 1.0) if fan > 1 else (0.0, 0.0)
         worst = max(worst, moved / (level.bandwidth_bytes_per_s * level.efficiency_of(kind)))
-        latency += steps * level.latency_s
+        latency += steps * alpha
         inside_prev = inside
     return worst + latency
 

@@ -1,0 +1,304 @@
+"""perfmodel.evaluate: hand-computed cases, invariants, reasons, API shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from perfmodel import REASONS, evaluate, goodput, load_cluster
+from perfmodel.comm import collective_time
+from perfmodel.evaluate import HIDDEN_COMPONENTS, STEP_COMPONENTS
+from perfmodel.memory import MEMORY_COMPONENTS
+from perfmodel.operators import PHASES, layer_ops
+from perfmodel.specs import ArchBatch, EfficiencyCurve, LayoutBatch, MoEArchitecture, ParallelLayout, parse_layout
+from perfmodel.specs.architecture import active_params, norm_params
+
+H100 = load_cluster("h100")
+
+MIXTRAL = MoEArchitecture(
+    n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=32000, seq_len=4096,
+    n_experts=8, top_k=2, d_expert=14336, ffn_ratio=3.5, gated_ffn=True,
+)
+DENSE = MoEArchitecture(
+    n_layers=4, d_model=512, n_heads=8, n_kv_heads=8, head_dim=64, vocab_size=8000, seq_len=1024,
+    d_ff_dense=2048, gated_ffn=False,
+)
+SMALL_MOE = MoEArchitecture(
+    n_layers=8, d_model=1024, n_heads=16, n_kv_heads=4, head_dim=64, vocab_size=32000, seq_len=2048,
+    n_experts=16, top_k=2, n_shared_experts=1, d_expert=512, d_ff_dense=4096, n_dense_layers=1,
+)
+
+
+def ideal_cluster(efficiency: float = 0.5):
+    """One flat compute efficiency, effectively infinite memory bandwidth, no latency or stragglers."""
+    acc = H100.accelerator
+    flat = EfficiencyCurve(sizes=(1.0,), values=(efficiency,), source="test")
+    acc = dataclasses.replace(acc, compute_efficiency={"bf16": flat}, hbm_bandwidth_bytes_per_s=1e30,
+                              launch_latency_s=0.0)
+    return dataclasses.replace(H100, accelerator=acc, straggler=dataclasses.replace(H100.straggler, cv=0.0))
+
+
+def test_one_device_time_is_flops_over_effective_peak():
+    """Single device, no communication, memory free: step = executed FLOPs / (peak x eff).
+
+    Executed per token: 6 x (N_act without norms) + 6hV (LM head) + causal flash attention
+    2·s·h_q forward and 2.5x that backward per layer (7·L·s·h_q in all).
+    """
+    cluster = ideal_cluster(0.5)
+    layout = ParallelLayout(mbs=2, gbs=8).resolve(1)
+    result = evaluate(DENSE, layout, cluster)
+    a = DENSE
+    h_q = a.n_heads * a.head_dim
+    per_token = (6 * (active_params(a) - norm_params(a)) + 6 * a.d_model * a.vocab_size
+                 + 7 * a.n_layers * a.seq_len * h_q)
+    expected = 8 * a.seq_len * per_token / (989e12 * 0.5)
+    assert result.step_time_s[0] == pytest.approx(expected, rel=1e-6)
+    comm = [k for k in result.breakdown if k.endswith(("_exposed", "_hidden"))]
+    assert all(result.breakdown[k][0] == 0 for k in comm)
+    assert result.breakdown["bubble"][0] == 0
+    # MFU = model FLOPs / executed FLOPs x efficiency
+    model = a.model_flops_per_token
+    assert result.mfu[0] == pytest.approx(0.5 * model / per_token, rel=1e-6)
+
+
+def test_recompute_full_adds_one_forward():
+    cluster = ideal_cluster(0.5)
+    base = evaluate(DENSE, ParallelLayout(mbs=1, gbs=4).resolve(1), cluster)
+    full = evaluate(DENSE, ParallelLayout(mbs=1, gbs=4, recompute="full").resolve(1), cluster)
+    fwd_layers = (base.breakdown["compute"] + base.breakdown["attention"])[0]
+    assert full.breakdown["recompute"][0] > 0.2 * fwd_layers
+    assert full.step_time_s[0] == pytest.approx(base.step_time_s[0] + full.breakdown["recompute"][0], rel=1e-9)
+    assert full.mfu[0] < base.mfu[0]
+    assert full.memory_breakdown["activations"][0] < base.memory_breakdown["activations"][0]
+
+
+def test_breakdown_adds_up_and_memory_adds_up():
+    layouts = [parse_layout(s, devices=256) for s in (
+        "tp=1,ep=8,pp=4,mbs=1,gbs=1024", "tp=2,ep=8,pp=4,vpp=2,sp=true,recompute=selective,gbs=512",
+        "tp=1,ep=8,cp=2,dp_flavor=fsdp,recompute=full,gbs=256", "tp=4,ep=4,etp=2,pp=2,dp_flavor=ddp,gbs=512")]
+    result = evaluate(MIXTRAL, LayoutBatch.stack(layouts), H100)
+    assert len(result) == 4
+    total = sum(result.breakdown[k] for k in STEP_COMPONENTS)
+    np.testing.assert_allclose(total, result.step_time_s, rtol=1e-12)
+    mem = sum(result.memory_breakdown[k] for k in MEMORY_COMPONENTS)
+    np.testing.assert_allclose(mem, result.memory_per_device_bytes, rtol=1e-12)
+    for key in STEP_COMPONENTS + HIDDEN_COMPONENTS:
+        assert np.all(result.breakdown[key] >= 0), key
+
+
+def test_bubble_is_zero_without_pipeline_and_shrinks_with_interleaving():
+    pp1 = evaluate(MIXTRAL, parse_layout("tp=1,ep=8,pp=1,gbs=512", devices=256), H100)
+    assert pp1.breakdown["bubble"][0] == 0
+    plain = evaluate(MIXTRAL, parse_layout("ep=8,pp=4,vpp=1,gbs=512", devices=256), H100)
+    inter = evaluate(MIXTRAL, parse_layout("ep=8,pp=4,vpp=2,gbs=512", devices=256), H100)
+    assert 0 < inter.breakdown["bubble"][0] < plain.breakdown["bubble"][0]
+    # 1F1B: the bubble is (pp - 1) / m of the useful time
+    m = plain.micro_batches[0]
+    useful = plain.step_time_s[0] - plain.breakdown["bubble"][0] - plain.breakdown["straggler"][0]
+    useful -= plain.breakdown["optimizer"][0] + plain.breakdown["dp_exposed"][0]
+    assert plain.breakdown["bubble"][0] == pytest.approx(useful * 3 / m, rel=1e-9)
+
+
+def test_exposed_communication_never_exceeds_total():
+    strings = ["tp=2,ep=8,pp=2,sp=true,gbs=512", "tp=4,ep=4,cp=2,gbs=256", "ep=16,dp_flavor=fsdp,gbs=256"]
+    layouts = LayoutBatch.stack([parse_layout(s, devices=256) for s in strings])
+    no_overlap = dataclasses.replace(H100, overlap=dataclasses.replace(H100.overlap, tp=0.0, ep=0.0, dp=0.0, pp=0.0,
+                                                                       cp=0.0))
+    full_overlap = dataclasses.replace(H100, overlap=dataclasses.replace(H100.overlap, tp=1.0, ep=1.0, dp=1.0,
+                                                                         pp=1.0, cp=1.0))
+    none = evaluate(SMALL_MOE, layouts, no_overlap)
+    full = evaluate(SMALL_MOE, layouts, full_overlap)
+    for cls in ("tp", "cp", "ep", "pp"):
+        assert np.all(none.breakdown[f"{cls}_hidden"] == 0)
+        total = none.breakdown[f"{cls}_exposed"]
+        assert np.all(full.breakdown[f"{cls}_exposed"] <= total + 1e-15)
+        np.testing.assert_allclose(full.breakdown[f"{cls}_exposed"] + full.breakdown[f"{cls}_hidden"], total,
+                                   rtol=1e-9, atol=1e-15)
+    assert np.all(full.step_time_s <= none.step_time_s)
+
+
+def test_fsdp_never_communicates_less_than_ddp():
+    strings = ["ep=8,gbs=256", "tp=2,ep=4,pp=2,gbs=512", "ep=1,gbs=64", "tp=8,ep=8,gbs=1024"]
+    for s in strings:
+        ddp = evaluate(SMALL_MOE, parse_layout(s + ",dp_flavor=ddp", devices=64), H100)
+        fsdp = evaluate(SMALL_MOE, parse_layout(s + ",dp_flavor=fsdp", devices=64), H100)
+        ddp_total = ddp.breakdown["dp_exposed"][0] + ddp.breakdown["dp_hidden"][0]
+        fsdp_total = fsdp.breakdown["dp_exposed"][0] + fsdp.breakdown["dp_hidden"][0]
+        assert fsdp_total >= ddp_total > 0, s
+
+
+def test_ep_group_crossing_nodes_is_never_faster():
+    # collective level: 8 ranks inside a node vs the same 8 ranks one per node
+    for size in (1e3, 1e6, 1e9):
+        inside = collective_time(H100, "all_to_all", size, 8, 1)
+        across = collective_time(H100, "all_to_all", size, 8, 8)
+        half = collective_time(H100, "all_to_all", size, 8, 2)
+        assert across >= half >= inside > 0
+    # whole model: the same layout on nodes of 8 and of 4 devices
+    small_nodes = dataclasses.replace(H100, levels=(dataclasses.replace(H100.levels[0], devices=4), H100.levels[1]))
+    layout = parse_layout("ep=8,gbs=256", devices=64)
+    inside = evaluate(SMALL_MOE, layout, H100)
+    across = evaluate(SMALL_MOE, layout, small_nodes)
+    ep = lambda r: r.breakdown["ep_exposed"][0] + r.breakdown["ep_hidden"][0]  # noqa: E731
+    assert ep(across) > ep(inside)
+    assert across.step_time_s[0] >= inside.step_time_s[0]
+
+
+def test_more_hbm_never_makes_a_feasible_config_infeasible():
+    rng = np.random.default_rng(0)
+    strings = [f"tp={tp},ep={ep},pp={pp},mbs={mbs},recompute={rc}"
+               for tp in (1, 2, 8) for ep in (1, 8) for pp in (1, 4) for mbs in (1, 4) for rc in ("none", "full")]
+    layouts = LayoutBatch.stack([parse_layout(s, devices=64) for s in strings])
+    small = evaluate(MIXTRAL, layouts, H100)
+    acc = H100.accelerator
+    bigger = dataclasses.replace(H100, accelerator=dataclasses.replace(acc, hbm_bytes=160e9, hbm_usable_bytes=158e9))
+    big = evaluate(MIXTRAL, layouts, bigger)
+    assert np.all(big.feasible[small.feasible])
+    assert np.any(big.feasible & ~small.feasible)  # the test has teeth: some became feasible
+    assert rng is not None
+
+
+def test_mfu_in_unit_interval_for_feasible_candidates():
+    strings = [f"tp={tp},ep={ep},pp={pp},mbs={mbs},dp_flavor={fl}" for tp in (1, 2, 4) for ep in (1, 4, 16)
+               for pp in (1, 2, 8) for mbs in (1, 2) for fl in ("ddp", "zero1", "fsdp")]
+    result = evaluate(SMALL_MOE, LayoutBatch.stack([parse_layout(s, devices=128) for s in strings]), H100)
+    ok = result.feasible
+    assert ok.sum() > 10
+    assert np.all((result.mfu[ok] > 0) & (result.mfu[ok] < 1))
+    np.testing.assert_allclose(result.tflops_per_device, result.mfu * 989.0, rtol=1e-9)
+
+
+def test_reasons_and_no_exceptions():
+    cases = {
+        "tp=3,dp=2,gbs=64": "invalid_layout",                    # 3 does not divide the heads
+        "tp=1,ep=8,pp=1,dp=2048,gbs=2048": "devices",             # beyond the 1024 devices
+        "tp=1,ep=1,pp=1,mbs=16,gbs=16,dp=1": "memory",            # Mixtral on one GPU
+    }
+    for text, reason in cases.items():
+        layout = parse_layout(text)
+        layout = layout if layout.dp is not None else layout.resolve(64)
+        result = evaluate(MIXTRAL, layout, H100)
+        assert not result.feasible[0]
+        assert REASONS[result.reason[0]] == reason, text
+        assert result.row(0)["reason"] == reason
+    cpu_like = dataclasses.replace(H100, accelerator=dataclasses.replace(
+        H100.accelerator, peak_flops_per_s={"fp32": 1e12, "bf16": 2e12}))
+    fp8 = evaluate(DENSE, parse_layout("precision=fp8", devices=8), cpu_like)
+    assert REASONS[fp8.reason[0]] == "precision"
+    assert np.isfinite(fp8.step_time_s[0])
+
+
+def test_devices_argument_must_match_world():
+    layout = parse_layout("tp=2,ep=8,gbs=256", devices=64)
+    assert evaluate(SMALL_MOE, layout, H100, devices=64).feasible[0]
+    assert REASONS[evaluate(SMALL_MOE, layout, H100, devices=128).reason[0]] == "invalid_layout"
+
+
+def test_batches_broadcast_and_match_single_calls():
+    layouts = [parse_layout(s, devices=64) for s in ("ep=8,gbs=128", "tp=2,ep=16,pp=2,gbs=256", "ep=4,mbs=2,gbs=256")]
+    batch = evaluate(SMALL_MOE, LayoutBatch.stack(layouts), H100)
+    for i, layout in enumerate(layouts):
+        single = evaluate(SMALL_MOE, layout, H100)
+        assert single.step_time_s[0] == pytest.approx(batch.step_time_s[i], rel=1e-12)
+    archs = ArchBatch.stack([SMALL_MOE, SMALL_MOE.replace(top_k=4), SMALL_MOE.replace(n_layers=16)])
+    by_arch = evaluate(archs, layouts[0], H100)
+    assert len(by_arch) == 3
+    assert by_arch.step_time_s[1] > by_arch.step_time_s[0]  # more experts per token costs time
+    assert by_arch.step_time_s[2] > by_arch.step_time_s[0]
+
+
+def test_large_batches_are_chunked_consistently():
+    layout = LayoutBatch.stack([parse_layout("ep=8,gbs=128", devices=64), parse_layout("tp=2,ep=4,gbs=256", devices=64)])
+    many = layout.take(np.arange(40000) % 2)
+    result = evaluate(SMALL_MOE, many, H100)
+    assert len(result) == 40000
+    two = evaluate(SMALL_MOE, layout, H100)
+    np.testing.assert_allclose(result.step_time_s[:2], two.step_time_s)
+    np.testing.assert_allclose(result.step_time_s[-2:], two.step_time_s)
+
+
+def test_row_is_json_ready():
+    result = evaluate(MIXTRAL, parse_layout("ep=8,pp=4,gbs=512", devices=256), H100)
+    row = result.row(0)
+    text = json.dumps(row, allow_nan=False)
+    for key in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "tflops_per_device",
+                "memory_per_device_bytes", "feasible", "reason", "breakdown", "memory_breakdown"):
+        assert key in row
+    assert "bubble" in json.loads(text)["breakdown"]
+    assert row["tokens_per_s"] == pytest.approx(512 * 4096 / row["step_time_s"])
+
+
+def test_mixed_precision_memory_is_18_bytes_per_parameter():
+    """Megatron: bf16 weight 2 + fp32 grad 4 + fp32 master/moments 12; ZeRO-1 shards the 12."""
+    ddp = evaluate(DENSE, parse_layout("dp_flavor=ddp,gbs=8", devices=8), H100)
+    zero1 = evaluate(DENSE, parse_layout("dp_flavor=zero1,gbs=8", devices=8), H100)
+    fsdp = evaluate(DENSE, parse_layout("dp_flavor=fsdp,gbs=8", devices=8), H100)
+    params = ddp.memory_breakdown["weights"][0] / 2
+    states = lambda r: sum(r.memory_breakdown[k][0] for k in ("weights", "gradients", "optimizer"))  # noqa: E731
+    assert states(ddp) == pytest.approx(18 * params)
+    assert states(zero1) == pytest.approx((6 + 12 / 8) * params)
+    assert states(fsdp) == pytest.approx(18 / 8 * params)
+
+
+def test_activations_follow_korthikanti_without_dropout():
+    """Non-gated MHA with a 4h MLP, no parallelism: 32·s·b·h bytes per layer (their 34 minus two
+    dropout masks; flash attention stores no s x s scores) + the fp32 log-sum-exp 4·s·b·a."""
+    arch = DENSE
+    for recompute, expected_per_layer in (("none", 32 * arch.d_model + 4 * arch.n_heads),
+                                          ("selective", 30 * arch.d_model)):
+        result = evaluate(arch, parse_layout(f"mbs=2,gbs=2,recompute={recompute}", devices=1), H100)
+        tokens = 2 * arch.seq_len
+        assert result.memory_breakdown["activations"][0] == pytest.approx(arch.n_layers * tokens * expected_per_layer)
+    # tensor parallel with sequence parallel divides everything by t
+    sp = evaluate(arch, parse_layout("tp=4,sp=true,mbs=2,gbs=2", devices=4), H100)
+    assert sp.memory_breakdown["activations"][0] == pytest.approx(
+        arch.n_layers * 2 * arch.seq_len * (32 * arch.d_model + 4 * arch.n_heads) / 4)
+
+
+def test_dispatch_bounds_tiny_micro_batches():
+    tiny = DENSE.replace(seq_len=16, d_model=64, n_heads=1, n_kv_heads=1, d_ff_dense=128, vocab_size=256)
+    slow_host = dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, launch_latency_s=1e-3))
+    result = evaluate(tiny, parse_layout("gbs=1", devices=1), slow_host)
+    assert result.breakdown["dispatch"][0] > 0.5 * result.step_time_s[0]
+
+
+def test_cpu_ranks_beyond_cores_share_the_peak():
+    cpu = dataclasses.replace(ideal_cluster(0.5), host_cores=2, devices=8)
+    two = evaluate(DENSE, parse_layout("gbs=2", devices=2), cpu)
+    four = evaluate(DENSE, parse_layout("gbs=4", devices=4), cpu)
+    # same work per rank, half the peak per rank
+    assert four.breakdown["compute"][0] == pytest.approx(2 * two.breakdown["compute"][0], rel=1e-9)
+    # MFU against the cores the ranks share: 2 cores x peak, not 4 ranks x peak
+    model_flops_per_s = DENSE.model_flops_per_token * four.tokens_per_s[0]
+    assert four.mfu[0] == pytest.approx(model_flops_per_s / (2 * 989e12), rel=1e-9)
+
+
+def test_straggler_and_goodput():
+    result = [evaluate(SMALL_MOE, parse_layout("ep=8,gbs=1024", devices=d), H100) for d in (8, 64, 1024)]
+    assert result[0].breakdown["straggler"][0] == 0
+    factors = [r.step_time_s[0] / (r.step_time_s[0] - r.breakdown["straggler"][0]) for r in result]
+    assert factors[0] < factors[1] < factors[2]
+    assert factors[2] == pytest.approx(1 + 0.01 * math.sqrt(2 * math.log(128)), rel=1e-9)
+    g = goodput(H100, np.array([8, 1024, 16384]))
+    assert 1 > g[0] > g[1] > g[2] > 0
+    mtbf = 6340.0 * 3600 / 128
+    assert goodput(H100, 1024) == pytest.approx(1 - math.sqrt(2 * 60 / mtbf) - 600 / mtbf)
+    fixed = dataclasses.replace(H100, goodput=dataclasses.replace(H100.goodput, eta=0.9, node_mtbf_hours=None))
+    assert goodput(fixed, 4096) == 0.9
+
+
+def test_layer_ops_explain_every_phase():
+    ops = layer_ops(SMALL_MOE, parse_layout("tp=2,ep=4,gbs=64", devices=16))
+    names = {op.name for block in ops.values() for op in block}
+    assert {"qkv_proj", "core_attention", "router", "permute", "expert_up", "expert_down", "unpermute_combine",
+            "shared_up", "lm_head", "cross_entropy", "embedding"} <= names
+    qkv = next(op for op in ops["attention"] if op.name == "qkv_proj")
+    row = qkv.row()
+    assert row["fwd_flops"] == row["dgrad_flops"] == row["wgrad_flops"] > 0
+    core = next(op for op in ops["attention"] if op.name == "core_attention")
+    assert core.row()["wgrad_flops"] == 0 and core.row()["dgrad_flops"] == 2.5 * core.row()["fwd_flops"]
+    assert set(PHASES) == {"fwd", "dgrad", "wgrad"}

@@ -1,0 +1,113 @@
+"""The vectorised model equals the scalar reference; random configurations never break it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from perfmodel import REASONS, evaluate, load_cluster
+from perfmodel.evaluate import STEP_COMPONENTS
+from perfmodel.reference import evaluate_one
+from perfmodel.specs import LayoutBatch, MoEArchitecture, ParallelLayout
+from perfmodel.validity import valid_mask
+
+CLUSTERS = {name: load_cluster(name) for name in ("h100", "ascend_superpod", "gb200_nvl72", "cpu_local")}
+
+
+@st.composite
+def valid_configs(draw):
+    """(arch, layout) built to satisfy every validity rule (devices may exceed the cluster)."""
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    cp = draw(st.sampled_from([1, 1, 2]))
+    pp = draw(st.sampled_from([1, 2, 4]))
+    vpp = draw(st.sampled_from([1, 2])) if pp > 1 else 1
+    moe = draw(st.booleans())
+    ep = draw(st.sampled_from([1, 2, 4, 8])) if moe else 1
+    etp = draw(st.sampled_from([1, 1, 2])) if moe else 1
+    dp = ep * etp * draw(st.sampled_from([1, 2, 4]))
+    kv = tp * draw(st.sampled_from([1, 2]))
+    heads = kv * draw(st.sampled_from([1, 2, 4]))
+    head_dim = draw(st.sampled_from([32, 64, 128]))
+    d_model = draw(st.sampled_from([256, 512, 1024, 2048, 4096]))
+    n_layers = pp * vpp * draw(st.integers(1, 4))
+    n_experts = ep * draw(st.sampled_from([1, 2, 4, 8])) if moe else 0
+    top_k = draw(st.integers(1, min(n_experts, 8))) if moe else 0
+    d_expert = tp * etp * draw(st.sampled_from([32, 64, 256])) if moe else 0
+    n_dense = draw(st.integers(0, n_layers)) if moe else 0
+    d_ff = tp * draw(st.sampled_from([64, 256, 1024])) if (not moe or n_dense > 0) else 0
+    arch = MoEArchitecture(
+        n_layers=n_layers, d_model=d_model, n_heads=heads, n_kv_heads=kv, head_dim=head_dim,
+        vocab_size=draw(st.sampled_from([1000, 32000, 128000])),
+        seq_len=2 * cp * draw(st.sampled_from([64, 512, 2048])),
+        n_experts=n_experts, top_k=top_k, n_shared_experts=draw(st.integers(0, 2)) if moe else 0,
+        d_expert=d_expert, d_ff_dense=d_ff, n_dense_layers=n_dense,
+        gated_ffn=draw(st.booleans()), tie_embeddings=draw(st.booleans()),
+    )
+    mbs = draw(st.sampled_from([1, 2, 4]))
+    layout = ParallelLayout(
+        tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp,
+        dp_flavor=draw(st.sampled_from(["ddp", "zero1", "fsdp"])), mbs=mbs,
+        gbs=mbs * dp * draw(st.sampled_from([1, 2, 8])),
+        recompute=draw(st.sampled_from(["none", "selective", "full"])),
+        sequence_parallel=draw(st.booleans()) and tp > 1,
+        precision=draw(st.sampled_from(["bf16", "bf16", "fp8", "fp32", "mxfp8"])),
+    )
+    return arch, layout
+
+
+def _close(a, b):
+    if isinstance(a, dict):
+        return all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
+    return a == b
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_configs(), st.sampled_from(sorted(CLUSTERS)))
+def test_vectorised_equals_reference(config, cluster_name):
+    arch, layout = config
+    cluster = CLUSTERS[cluster_name]
+    fast = evaluate(arch, layout, cluster).row(0)
+    slow = evaluate_one(arch, layout, cluster)
+    for key, value in slow.items():
+        assert _close(fast[key], value), (key, fast[key], value)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_configs(), st.sampled_from(sorted(CLUSTERS)))
+def test_valid_configurations_give_finite_non_negative_numbers(config, cluster_name):
+    arch, layout = config
+    cluster = CLUSTERS[cluster_name]
+    result = evaluate(arch, layout, cluster)
+    assert bool(valid_mask(arch, layout, layout.world()))
+    assert REASONS[result.reason[0]] in ("ok", "memory", "devices", "precision")
+    values = [result.step_time_s, result.tokens_per_s, result.mfu, result.tflops_per_device,
+              result.memory_per_device_bytes, *result.breakdown.values(), *result.memory_breakdown.values()]
+    for v in values:
+        assert np.all(np.isfinite(v)) and np.all(v >= 0)
+    assert result.step_time_s[0] > 0
+    assert 0 < result.mfu[0] < 1
+    assert math.isclose(sum(result.breakdown[k][0] for k in STEP_COMPONENTS), result.step_time_s[0], rel_tol=1e-9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(*[st.integers(1, 12)] * 7, st.integers(1, 64), st.integers(0, 2), st.integers(0, 2),
+                          st.integers(0, 4), st.booleans()), min_size=1, max_size=20))
+def test_arbitrary_layouts_give_a_reason_never_an_exception(rows):
+    arch = MoEArchitecture(n_layers=12, d_model=768, n_heads=12, n_kv_heads=4, head_dim=64, vocab_size=5000,
+                           seq_len=1024, n_experts=12, top_k=2, d_expert=384, d_ff_dense=3072, n_dense_layers=2)
+    layouts = LayoutBatch(**{name: np.asarray(col) for name, col in zip(
+        ("tp", "pp", "vpp", "ep", "etp", "cp", "dp", "mbs", "dp_flavor", "recompute", "precision",
+         "sequence_parallel"), zip(*rows))}, gbs=np.asarray([r[7] * 3 for r in rows]))
+    result = evaluate(arch, layouts, CLUSTERS["h100"])
+    mask = valid_mask(arch, layouts, np.asarray(layouts.tp) * layouts.cp * layouts.pp * layouts.dp)
+    assert np.all(result.feasible <= mask)
+    assert np.all(result.reason[~mask] == REASONS.index("invalid_layout"))
+    assert np.all(np.isfinite(result.step_time_s)) and np.all(result.step_time_s > 0)
+    assert np.all(np.isfinite(result.memory_per_device_bytes))
+    for i in range(len(result)):
+        assert result.row(i)["reason"] in REASONS
