@@ -20,18 +20,20 @@ def _si(value: Optional[float], unit: str = "", digits: int = 3) -> str:
 
 
 def _geometry(model: dict[str, Any]) -> str:
-    moe = f"E={model['n_experts']} k={model['top_k']} G={model['granularity']:.3g}" if model["n_experts"] else "dense"
-    shared = f" Es={model['n_shared_experts']}" if model["n_shared_experts"] else ""
-    return f"L={model['n_layers']} h={model['d_model']} {moe}{shared}"
+    moe = f"E{model['n_experts']} k{model['top_k']} G{model['granularity']:.3g}" if model["n_experts"] else "dense"
+    shared = f" Es{model['n_shared_experts']}" if model["n_shared_experts"] else ""
+    return f"L{model['n_layers']} h{model['d_model']} {moe}{shared}"
 
 
 def _layout(layout: Optional[dict[str, Any]]) -> str:
     if layout is None:
         return "none fits"
-    text = f"tp={layout['tp']} pp={layout['pp']} ep={layout['ep']} dp={layout['dp']} {layout['dp_flavor']}"
+    text = f"tp{layout['tp']} pp{layout['pp']} ep{layout['ep']} dp{layout['dp']} {layout['dp_flavor']}"
     if layout["vpp"] > 1:
-        text += f" vpp={layout['vpp']}"
-    text += f" mbs={layout['mbs']} gbs={layout['gbs']} rc={layout['recompute']} {layout['precision']}"
+        text += f" vpp{layout['vpp']}"
+    if layout["etp"] > 1 or layout["cp"] > 1:
+        text += f" etp{layout['etp']} cp{layout['cp']}"
+    text += f" mbs{layout['mbs']} gbs{layout['gbs']} rc:{layout['recompute']} {layout['precision']}"
     return text
 
 
@@ -84,7 +86,7 @@ def render(payload: dict[str, Any]) -> None:
         ("memory / device", f"{cp['memory_per_device_bytes'] / 1e9:.1f} GB",
          f"{on['memory_per_device_bytes'] / 1e9:.1f} GB" if on["feasible"]
          else f">= {(on.get('min_memory_per_device_bytes') or 0) / 1e9:.1f} GB"),
-        ("model FLOPs", _si(cp["model_flops"]), _si(op["model_flops"])),
+        ("model FLOPs", f"{cp['model_flops']:.3g}", f"{op['model_flops']:.3g}"),
     ]
     for row in rows:
         table.add_row(*row)
@@ -93,7 +95,7 @@ def render(payload: dict[str, Any]) -> None:
     if alts:
         t2 = Table(title="next best (cluster-optimal)")
         for col in ("#", "geometry", "S", "total/active", "tokens", "loss", "MFU", "layout"):
-            t2.add_column(col, no_wrap=col in ("geometry", "layout"), overflow="fold")
+            t2.add_column(col, no_wrap=col in ("#", "S", "loss", "MFU"))
         for i, a in enumerate(alts, 1):
             m, p = a["model"], a["predicted"]
             t2.add_row(str(i), _geometry(m), f"{m['sparsity']:.3f}", f"{_si(m['n_total_params'])}/{_si(m['n_active_params'])}",

@@ -236,6 +236,8 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
         search.update(report)
     feasible = np.isfinite(ranked.loss)
     if not np.any(feasible):
+        if solver != "enumerate":  # the enumeration's per-geometry memory minima name the relaxation
+            ranked = rank_cluster_optimal(problem, top=1)
         raise infeasible_error(problem, ranked)
     n_ok = int(feasible.sum())
     chosen = _choice_from_ranked(problem, ranked, 0)
