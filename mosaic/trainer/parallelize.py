@@ -129,8 +129,10 @@ class ExpertParallelExperts(GroupedExperts):
     def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep, self.n_experts
         # 1. exchange counts: recv_SE[s, e] = rows source rank s sends to my local expert e
+        start = time.perf_counter()
         recv = torch.empty_like(counts_E)
         dist.all_to_all_single(recv, counts_E.contiguous(), group=self.group)
+        A2ATimer.seconds += time.perf_counter() - start
         recv_SE = recv.view(ep, local)
         # NOTE: host-device sync (split sizes must be Python ints).
         in_splits = counts_E.view(ep, local).sum(1).tolist()
@@ -158,7 +160,12 @@ def _source_to_expert_major(counts_SE: torch.Tensor) -> torch.Tensor:
 
 
 def apply_ep(model: Transformer, meshes: Meshes) -> None:
-    """Replace each MoE layer's experts by this rank's resident slice with all-to-all dispatch."""
+    """Replace each MoE layer's experts by this rank's resident slice with all-to-all dispatch.
+
+    Part 1 builds the whole model on every rank (same seed, so the same weights as a
+    single process) and keeps the local slice; a model whose experts do not fit one
+    device at init needs meta-device initialisation (not done yet).
+    """
     if meshes.ep == 1:
         return
     for moe in model.moe_layers():
