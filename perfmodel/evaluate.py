@@ -169,6 +169,14 @@ class EvalResult:
             "memory_breakdown": {k: num(v[i]) for k, v in self.memory_breakdown.items()},
         }
 
+    def take(self, index: Any) -> EvalResult:
+        """The candidates at `index` (an integer array, slice or boolean mask)."""
+        values: dict[str, Any] = {}
+        for name in EvalResult.__dataclass_fields__:
+            value = getattr(self, name)
+            values[name] = {k: v[index] for k, v in value.items()} if isinstance(value, dict) else value[index]
+        return EvalResult(**values)
+
     @staticmethod
     def concat(parts: list[EvalResult]) -> EvalResult:
         if len(parts) == 1:

@@ -14,6 +14,7 @@ from mosaic import __version__
 from mosaic.cli import calibrate as calibrate_cmd
 from mosaic.cli import clusters as clusters_cmd
 from mosaic.cli import plan as plan_cmd
+from mosaic.cli import predict as predict_cmd
 from mosaic.cli import sweep as sweep_cmd
 from mosaic.cli import train as train_cmd
 from mosaic.cli import validate as validate_cmd
@@ -49,6 +50,7 @@ app.command("train")(train_cmd.train)
 app.command("calibrate")(calibrate_cmd.calibrate)
 app.command("validate")(validate_cmd.validate)
 app.command("plan")(plan_cmd.plan)
+app.command("predict")(predict_cmd.predict)
 app.command("sweep")(sweep_cmd.sweep)
 
 

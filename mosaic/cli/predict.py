@@ -1,0 +1,258 @@
+"""`mosaic predict`: step time, throughput, MFU and memory of one model + layout on a cluster.
+
+The devices are the layout's world size (tp x cp x pp x dp) when dp is given,
+otherwise `--devices N` (default: the cluster file's count, also the upper
+bound). `--layout best` searches the layouts (`perfmodel.layouts`) and
+prints the top five. An invalid layout exits 2 naming every violated rule; a
+valid but infeasible one (memory, precision) prints its prediction and exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from mosaic.cli.common import cli_errors, console, err_console, print_json
+from perfmodel.errors import InfeasibleError, InputError
+
+FIX_HINTS = {
+    "memory": "try recompute=full or selective, a smaller mbs, more tp/pp/ep, or dp_flavor=zero1/fsdp",
+    "precision": "choose a precision the accelerator has a peak for (see `mosaic show-cluster`)",
+    "devices": "use at most the cluster's device count or edit its 'devices' key",
+}
+
+
+def _gb(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 1e9:,.2f} GB"
+
+
+def _seconds(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1e3:,.1f} ms" if value < 1 else f"{value:,.3f} s"
+
+
+def _write_png_atomic(path: Path, fig: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def plot_breakdown(rows: list[dict[str, Any]], labels: list[str], path: Path, title: str) -> None:
+    """Stacked horizontal bars: the exposed components of each step, then the hidden communication."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from perfmodel.evaluate import HIDDEN_COMPONENTS, STEP_COMPONENTS
+
+    keys = [k for k in STEP_COMPONENTS + HIDDEN_COMPONENTS if any((r["breakdown"].get(k) or 0) > 0 for r in rows)]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(rows)))
+    cmap = plt.get_cmap("tab20")
+    for y, row in enumerate(rows):
+        left = 0.0
+        for j, key in enumerate(keys):
+            if key in HIDDEN_COMPONENTS:
+                continue
+            width = row["breakdown"].get(key) or 0.0
+            ax.barh(y, width, left=left, height=0.5, color=cmap(j % 20), label=key if y == 0 else None)
+            left += width
+        hidden_left = 0.0
+        for j, key in enumerate(keys):
+            if key not in HIDDEN_COMPONENTS:
+                continue
+            width = row["breakdown"].get(key) or 0.0
+            ax.barh(y + 0.4, width, left=hidden_left, height=0.2, color=cmap(j % 20), hatch="//", alpha=0.6,
+                    label=f"{key} (under compute)" if y == 0 else None)
+            hidden_left += width
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.15))
+    _write_png_atomic(path, fig)
+    plt.close(fig)
+
+
+def short_label(layout: Any) -> str:
+    """Compact layout label for plots and titles: the degrees and the non-default policies."""
+    parts = [f"tp{layout.tp}", f"pp{layout.pp}" + (f"x{layout.vpp}" if layout.vpp > 1 else ""), f"ep{layout.ep}"]
+    if layout.etp > 1:
+        parts.append(f"etp{layout.etp}")
+    if layout.cp > 1:
+        parts.append(f"cp{layout.cp}")
+    parts += [f"dp{layout.dp}", str(layout.dp_flavor), f"mbs{layout.mbs}", f"gbs{layout.gbs}"]
+    if layout.recompute != "none":
+        parts.append(f"rc={layout.recompute}")
+    if layout.sequence_parallel:
+        parts.append("sp")
+    parts.append(str(layout.precision))
+    return " ".join(parts)
+
+
+def _summary_table(row: dict[str, Any], usable_hbm: float, title: str) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("feasible", "yes" if row["feasible"] else f"no ({row['reason']})")
+    table.add_row("step time", _seconds(row["step_time_s"]))
+    table.add_row("tokens/s", f"{row['tokens_per_s']:,.0f}")
+    table.add_row("tokens/s per device", f"{row['tokens_per_s_per_device']:,.1f}")
+    table.add_row("MFU", f"{row['mfu']:.1%}")
+    table.add_row("model TFLOP/s per device", f"{row['tflops_per_device']:,.1f}")
+    table.add_row("memory per device", f"{_gb(row['memory_per_device_bytes'])} of {_gb(usable_hbm)} usable")
+    table.add_row("devices", str(row["devices"]))
+    table.add_row("micro-batches per step (m)", f"{row['micro_batches']:g}")
+    table.add_row("slowest pipeline stage", row["bottleneck_stage"])
+    return table
+
+
+def _breakdown_table(row: dict[str, Any]) -> Table:
+    from perfmodel.evaluate import HIDDEN_COMPONENTS, STEP_COMPONENTS
+
+    step = row["step_time_s"] or 1.0
+    table = Table(title="where the step goes (seconds per step)")
+    table.add_column("component")
+    table.add_column("time", justify="right")
+    table.add_column("share", justify="right")
+    for key in STEP_COMPONENTS:
+        value = row["breakdown"][key] or 0.0
+        if value > 0:
+            table.add_row(key, _seconds(value), f"{value / step:.1%}")
+    for key in HIDDEN_COMPONENTS:
+        value = row["breakdown"][key] or 0.0
+        if value > 0:
+            table.add_row(f"[dim]{key} (under compute)[/dim]", f"[dim]{_seconds(value)}[/dim]", "")
+    return table
+
+
+def _memory_table(row: dict[str, Any]) -> Table:
+    table = Table(title="memory per device (larger pipeline stage)")
+    table.add_column("component")
+    table.add_column("bytes", justify="right")
+    for key, value in row["memory_breakdown"].items():
+        if value:
+            table.add_row(key, _gb(value))
+    return table
+
+
+def _layout_dict(layout: Any) -> dict[str, Any]:
+    from perfmodel.specs.layout import LAYOUT_FIELDS
+
+    return {name: getattr(layout, name) for name in LAYOUT_FIELDS}
+
+
+@cli_errors
+def predict(
+    cluster: str = typer.Option(..., "--cluster", help="Bundled cluster name or a cluster YAML path."),
+    model: Path = typer.Option(..., "--model", help="Model YAML (version: 1 + the MoEArchitecture keys)."),
+    layout: str = typer.Option(..., "--layout", help='e.g. "tp=2,ep=8,pp=4,mbs=1,gbs=1024", or "best" to search.'),
+    devices: Optional[int] = typer.Option(None, "--devices", help="Devices when the layout has no dp "
+                                          "(default: the cluster's count, also the upper bound)."),
+    gbs: Optional[int] = typer.Option(None, "--gbs", help="Global batch (sequences) for --layout best "
+                                      "(default ~4M tokens, 1-8 sequences per device)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Precision for --layout best (default bf16)."),
+    top: int = typer.Option(5, "--top", help="Layouts to show with --layout best."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the breakdown as stacked bars to FILE.png."),
+) -> None:
+    """Predict step time, tokens/s, MFU and memory of a model and layout on a cluster."""
+    from perfmodel.clusters import load_cluster
+    from perfmodel.evaluate import evaluate
+    from perfmodel.specs.architecture import MoEArchitecture
+    from perfmodel.specs.layout import PRECISIONS, parse_layout
+    from perfmodel.specs.strict import load_spec
+    from perfmodel.validity import violations
+
+    spec = load_cluster(cluster)
+    arch = load_spec(MoEArchitecture, model)
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise InputError(f"--plot {plot}: give a .png file name")
+    if devices is not None and devices < 1:
+        raise InputError(f"--devices {devices}: must be >= 1")
+
+    if layout.strip().lower() == "best":
+        from perfmodel.layouts import best_layouts
+
+        n = spec.devices if devices is None else devices
+        spec.with_devices(n)  # the cluster's count is the upper bound
+        if precision is not None and precision not in PRECISIONS:
+            raise InputError(f"--precision {precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
+        if top < 1:
+            raise InputError(f"--top {top}: must be >= 1")
+        grid, result, stats = best_layouts(arch, spec, n, gbs=gbs, precision=precision, top=top)
+        if result is None or len(grid) == 0:
+            reasons = ", ".join(f"{k}: {v}" for k, v in stats["reasons"].items()) or "no valid layout in the grid"
+            raise InfeasibleError(f"no feasible layout for {model} on {spec.name} with {n} devices, "
+                                  f"gbs={stats['gbs']} ({stats['candidates']} candidates; {reasons}); "
+                                  "try more devices, another gbs or a smaller model")
+        rows = [{"layout": _layout_dict(grid.row(i)), "layout_string": grid.row(i).to_string(), **result.row(i)}
+                for i in range(len(grid))]
+        if plot is not None:
+            plot_breakdown(rows, [f"#{i + 1} {short_label(grid.row(i))}" for i in range(len(rows))], plot,
+                           f"{model.stem} on {spec.name} ({n} devices): top layouts")
+        if json_output:
+            print_json({"cluster": spec.name, "model": str(model), "search": stats, "top": rows, **rows[0]})
+            return
+        table = Table(title=f"best layouts for {model.stem} on {spec.name}: {n} devices, gbs={stats['gbs']}, "
+                            f"{stats['precision']}\n({stats['feasible']:,} feasible of {stats['candidates']:,} "
+                            "valid layouts, ranked by tokens/s)")
+        for column in ("#", "layout", "step", "tokens/s", "MFU", "memory", "largest exposed cost"):
+            table.add_column(column, overflow="fold")
+        from perfmodel.evaluate import STEP_COMPONENTS
+
+        for i, r in enumerate(rows):
+            worst = max((k for k in STEP_COMPONENTS if k not in ("compute", "attention", "expert_gemm")),
+                        key=lambda k: r["breakdown"][k] or 0.0)
+            table.add_row(str(i + 1), short_label(grid.row(i)), _seconds(r["step_time_s"]), f"{r['tokens_per_s']:,.0f}",
+                          f"{r['mfu']:.1%}", _gb(r["memory_per_device_bytes"]),
+                          f"{worst} {_seconds(r['breakdown'][worst])}")
+        console.print(table)
+        console.print(_breakdown_table(rows[0]))
+        if plot is not None:
+            console.print(f"plot: {plot}")
+        return
+
+    lay = parse_layout(layout)
+    if lay.dp is None:
+        n = spec.devices if devices is None else devices
+        lay = lay.resolve(n)
+    else:
+        lay = lay.resolve(lay.tp * lay.cp * lay.pp * lay.dp)
+        n = lay.world()
+        if devices is not None and devices != n:
+            raise InputError(f"--devices {devices} disagrees with the layout's world size tp*cp*pp*dp={n}; "
+                             "drop --devices or dp")
+    spec.with_devices(n)
+    problems = violations(arch, lay, n)
+    if problems:
+        raise InputError("invalid layout: " + "; ".join(problems))
+    row = evaluate(arch, lay, spec, n).row(0)
+    payload = {"cluster": spec.name, "model": str(model), "layout": _layout_dict(lay), **row}
+    if plot is not None:
+        plot_breakdown([row], [short_label(lay)], plot, f"{model.stem} on {spec.name} ({n} devices)")
+    if json_output:
+        print_json(payload)
+    else:
+        console.print(_summary_table(row, spec.accelerator.usable_hbm_bytes,
+                                     f"{model.stem} on {spec.name}\n{short_label(lay)}"))
+        console.print(_breakdown_table(row))
+        console.print(_memory_table(row))
+        if plot is not None:
+            console.print(f"plot: {plot}")
+    if not row["feasible"]:
+        err_console.print(f"infeasible ({row['reason']}): {FIX_HINTS.get(row['reason'], '')}", markup=False)
+        raise typer.Exit(1)
