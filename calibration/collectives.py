@@ -293,8 +293,14 @@ def _last_error_line(log: Path) -> str:
 def run_collectives_subprocess(nproc: int, device_kind: str, quick: bool, level_names: list[str],
                                level_devices: list[int], workdir: Path, stall_s: float = 120.0,
                                total_timeout_s: float = 3600.0,
-                               progress: Optional[Callable[[int], None]] = None) -> LaunchResult:
-    """Run the worker on `nproc` local ranks via `python -m torch.distributed.run`; never raises on rank failure."""
+                               progress: Optional[Callable[[int], None]] = None,
+                               startup_s: float = 120.0) -> LaunchResult:
+    """Run the worker on `nproc` local ranks via `python -m torch.distributed.run`; never raises on rank failure.
+
+    Hang detection: no new measurement for `stall_s` seconds, except that the
+    first measurement may take `startup_s` (starting torch on every rank and the
+    rendezvous are slow on a busy host).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "collectives.partial.csv"
     out.unlink(missing_ok=True)
@@ -327,7 +333,7 @@ def run_collectives_subprocess(nproc: int, device_kind: str, quick: bool, level_
                              f"{': ' + detail if detail else ''}); full log: {log}")
                 break
             now = time.monotonic()
-            if now - last_change > stall_s:
+            if now - last_change > (stall_s if seen else max(stall_s, startup_s)):
                 error = (f"the collective benchmark made no progress for {stall_s:.0f} s (a rank hung or died); "
                          f"killed it; log: {log}")
                 break

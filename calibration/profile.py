@@ -143,21 +143,34 @@ def _curve_mapping(fit: CurveFit, source: str) -> dict[str, Any]:
             "values": [float(f"{max(v, MIN_FRACTION):.4g}") for v in fit.curve.values], "source": source}
 
 
+def latency_steps(collective: str, ranks: int) -> float:
+    """Latency steps perfmodel.comm charges one collective on one level (see level_figures)."""
+    if collective == "p2p":
+        return 1.0
+    depth = max(1.0, float(np.ceil(np.log2(max(ranks, 2)) - 1e-9)))
+    return 2.0 * depth if collective == "all_reduce" else depth
+
+
 def level_figures(fits: Sequence[AlphaBetaFit], datasheet_bw: Optional[float]) -> dict[str, Any]:
     """FabricLevel fields from one level's alpha-beta fits.
 
     Bandwidth: the datasheet wire figure when given and not exceeded, else the
     best asymptotic bus bandwidth measured (loopback/cpu: nothing to cite).
-    Per-collective efficiency = asymptotic busbw / bandwidth; the level's
-    default efficiency is all-reduce's; latency = median alpha over collectives.
+    Per-collective efficiency = asymptotic busbw / bandwidth (perfmodel.comm
+    prices S * bus factor / (bandwidth * efficiency), so this reproduces the
+    measured busbw); the level's default efficiency is all-reduce's. Latency:
+    perfmodel.comm charges latency_s per tree step (ceil(log2 n) steps per
+    phase, two phases for all-reduce, one hop for p2p), so each fitted alpha is
+    divided by its step count and the median over collectives is kept.
     """
     best = max(f.busbw_bytes_per_s for f in fits)
     bandwidth = datasheet_bw if datasheet_bw is not None and best <= datasheet_bw else best
     per = {f.collective: float(f"{min(1.0, max(MIN_FRACTION, f.busbw_bytes_per_s / bandwidth)):.4g}") for f in fits}
     default = per.get("all_reduce", max(per.values()))
+    per_step = [f.alpha_s / latency_steps(f.collective, f.ranks) for f in fits]
     return {
         "bandwidth_bytes_per_s": float(f"{bandwidth:.6g}"),
-        "latency_s": float(f"{float(np.median([f.alpha_s for f in fits])):.4g}"),
+        "latency_s": float(f"{float(np.median(per_step)):.4g}"),
         "efficiency": default,
         "collective_efficiency": per,
         "bandwidth_from": "datasheet" if bandwidth == datasheet_bw else "measured",

@@ -85,6 +85,8 @@ def calibrate(base: str, device_kind: str = "cpu", quick: bool = False, nproc: i
               threads: Optional[int] = 1, stall_s: float = 120.0, total_timeout_s: float = 3600.0,
               measurements: Optional[Path] = None, progress: Optional[Progress] = None) -> CalibrationResult:
     """Measure (or read `measurements`), fit, and write the calibrated cluster file."""
+    if device_kind not in ("cpu", "cuda", "npu"):
+        raise InputError(f"--device {device_kind!r} is not one of cpu, cuda, npu")
     spec = load_cluster(base)  # fail on a bad base before measuring anything
     if nproc < 1:
         raise InputError(f"--nproc {nproc}: must be >= 1 (2 or more to measure collectives)")

@@ -51,6 +51,8 @@ def calibrate(
     if from_runs is not None:
         _from_runs(from_runs, cluster, output, report, json_output)
         return
+    if device not in ("cpu", "cuda", "npu"):
+        raise InputError(f"--device {device!r} is not one of cpu, cuda, npu")
     base = cluster or _default_base(device)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -98,7 +100,7 @@ def _print_summary(spec: Any, output: Path, csv: Path, report: Optional[Path], j
     for fit in cal.get("collectives", []):
         table.add_row(f"{fit['collective']} ({fit['level']}, {fit['ranks']} ranks)",
                       f"alpha {fit['alpha_s'] * 1e6:.3g} us, busbw {fit['busbw_bytes_per_s'] / 1e9:.3g} GB/s",
-                      f"R^2 {fit['r2']:.3f}")
+                      f"R^2 {fit['r2']:.3f} (log time)")
     console.print(table)
     console.print(f"wrote {output} and {csv}" + (f"; report {report}" if report else ""))
 

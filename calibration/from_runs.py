@@ -1,0 +1,299 @@
+"""Refit the model's correction factors from the bundled trainer's runs (`mosaic calibrate --from-runs`).
+
+Reads `RUNS/*/run.yaml` (resolved `model:` and `layout:`, device, world size,
+the precision the trainer computed in) and `RUNS/*/metrics.jsonl` (one JSON
+object per step). The measured step time of a run is the median
+`step_time_s` after warm-up (the first step, and the first 10% of longer
+runs, carry allocation and first-call costs). Predictions come from
+`perfmodel.evaluate` on the given cluster with four correction factors:
+
+  efficiency_scale   multiplies the compute and memory efficiency curves (clipped to 1)
+  launch_latency_s   host dispatch time per kernel
+  overlap            fraction of EP and DP communication that hides behind compute
+  straggler_cv       per-node step-time variation (only visible across nodes)
+
+Only the factors that move the predictions of these runs are fitted (a factor
+whose whole range changes no prediction by 0.1% is left alone and reported as
+such), at most one fewer than the runs. Least squares on log(predicted /
+measured) (scipy.optimize.least_squares, bounded); the step-time MAPE is
+reported before, after (in sample), and leave-one-run-out (each run predicted
+by factors fitted without it: the honest figure for a new run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import yaml
+from scipy.optimize import least_squares
+
+from perfmodel.clusters import load_cluster, resolve_cluster_path
+from perfmodel.errors import InputError
+from perfmodel.specs.architecture import ArchBatch, MoEArchitecture
+from perfmodel.specs.cluster import ClusterSpec, EfficiencyCurve
+from perfmodel.specs.layout import LayoutBatch, ParallelLayout
+from perfmodel.specs.strict import from_mapping, read_yaml, spec_from_dict, write_text_atomic
+
+FACTORS = ("efficiency_scale", "launch_latency_s", "overlap", "straggler_cv")
+BOUNDS = {"efficiency_scale": (1e-3, 5.0), "launch_latency_s": (0.0, 2e-3), "overlap": (0.0, 1.0),
+          "straggler_cv": (0.0, 0.5)}
+GRID = {"efficiency_scale": (1.0, 0.3, 0.1, 0.03, 0.01, 0.003), "launch_latency_s": (3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3),
+        "overlap": (0.0, 0.5, 1.0), "straggler_cv": (0.0, 0.05, 0.2)}
+"""Starting points: the objective is flat in a factor where another term dominates (dispatch is
+max(device time, kernels x latency)), so a local fit from the datasheet values can stall; the
+best few grid points (plus the current values) start the fits and the best result is kept."""
+STARTS = 3
+SENSITIVITY = 1e-3
+"""A factor is fitted only if moving it across its range changes some prediction by more than 0.1%."""
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    arch: MoEArchitecture
+    layout: ParallelLayout
+    devices: int
+    measured_step_time_s: float
+    steps_used: int
+    cluster_name: str
+
+
+def _metrics(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}: line {line_no}: not JSON ({exc.msg}); fix or delete the line") from None
+        if not isinstance(row, dict) or "step_time_s" not in row or "step" not in row:
+            raise InputError(f"{path}: line {line_no}: needs 'step' and 'step_time_s' (a trainer metrics line)")
+        value = row["step_time_s"]
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise InputError(f"{path}: line {line_no}: step_time_s must be a positive number, got {value!r}")
+        rows.append(row)
+    return rows
+
+
+def load_run(folder: Path) -> Run:
+    """One trainer run folder: run.yaml + metrics.jsonl -> Run (median post-warm-up step time)."""
+    config = folder / "run.yaml"
+    data = read_yaml(config)
+    for key in ("model", "layout", "world_size"):
+        if key not in data:
+            raise InputError(f"{config}: missing key '{key}'; is this a run.yaml written by `mosaic train`?")
+    try:
+        arch = from_mapping(MoEArchitecture, data["model"])
+        layout = from_mapping(ParallelLayout, data["layout"])
+    except InputError as exc:
+        raise InputError(f"{config}: {exc}") from None
+    world = int(data["world_size"])
+    precision = str(data.get("precision", layout.precision))
+    layout = dataclasses.replace(layout, precision=precision).resolve(world)
+    rows = _metrics(folder / "metrics.jsonl")
+    if len(rows) < 2:
+        raise InputError(f"{folder / 'metrics.jsonl'}: {len(rows)} step(s); need 2 or more (the first is warm-up)")
+    rows.sort(key=lambda r: r["step"])
+    skip = max(1, len(rows) // 10)
+    times = [float(r["step_time_s"]) for r in rows[skip:]]
+    return Run(name=folder.name, arch=arch, layout=layout, devices=world, measured_step_time_s=float(np.median(times)),
+               steps_used=len(times), cluster_name=str(data.get("cluster", "")))
+
+
+def discover_runs(runs: Path) -> list[Run]:
+    """Every RUNS/*/ with run.yaml and metrics.jsonl (or RUNS itself when it is one run)."""
+    if not runs.is_dir():
+        raise InputError(f"--from-runs {runs}: not a folder; give the folder holding the trainer's run folders")
+    folders = [runs] if (runs / "run.yaml").is_file() else sorted(
+        p for p in runs.iterdir() if (p / "run.yaml").is_file() and (p / "metrics.jsonl").is_file())
+    if not folders:
+        raise InputError(f"--from-runs {runs}: no run folders with run.yaml and metrics.jsonl; train with `mosaic train --out {runs}/NAME`")
+    return [load_run(f) for f in folders]
+
+
+def apply_factors(cluster: ClusterSpec, factors: dict[str, float]) -> ClusterSpec:
+    """The cluster with the given correction factors applied (others unchanged)."""
+    acc = cluster.accelerator
+    changes: dict[str, Any] = {}
+    if "efficiency_scale" in factors:
+        s = factors["efficiency_scale"]
+
+        def scaled(curve: EfficiencyCurve) -> EfficiencyCurve:
+            values = tuple(float(np.clip(v * s, 1e-4, 1.0)) for v in curve.values)
+            return dataclasses.replace(curve, values=values)
+
+        acc = dataclasses.replace(acc, compute_efficiency={k: scaled(c) for k, c in acc.compute_efficiency.items()},
+                                  memory_efficiency=scaled(acc.memory_efficiency))
+    if "launch_latency_s" in factors:
+        acc = dataclasses.replace(acc, launch_latency_s=factors["launch_latency_s"])
+    changes["accelerator"] = acc
+    if "overlap" in factors:
+        changes["overlap"] = dataclasses.replace(cluster.overlap, ep=factors["overlap"], dp=factors["overlap"])
+    if "straggler_cv" in factors:
+        changes["straggler"] = dataclasses.replace(cluster.straggler, cv=factors["straggler_cv"])
+    return dataclasses.replace(cluster, **changes)
+
+
+def initial_factors(cluster: ClusterSpec) -> dict[str, float]:
+    return {"efficiency_scale": 1.0, "launch_latency_s": cluster.accelerator.launch_latency_s,
+            "overlap": float(cluster.overlap.ep), "straggler_cv": cluster.straggler.cv}
+
+
+def predict(cluster: ClusterSpec, runs: list[Run], factors: Optional[dict[str, float]] = None) -> np.ndarray:
+    """Predicted step time of each run (perfmodel.evaluate, one vectorised call)."""
+    from perfmodel import evaluate
+
+    spec = apply_factors(cluster, factors or {})
+    result = evaluate(ArchBatch.stack([r.arch for r in runs]), LayoutBatch.stack([r.layout for r in runs]), spec,
+                      devices=np.array([r.devices for r in runs], dtype=float))
+    return np.asarray(result.step_time_s, dtype=float)
+
+
+def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
+    return float(np.mean(np.abs(predicted - measured) / measured))
+
+
+def identifiable(cluster: ClusterSpec, runs: list[Run], start: dict[str, float]) -> tuple[list[str], dict[str, str]]:
+    """Factors whose range moves some prediction by > SENSITIVITY, most influential first (at most runs - 1)."""
+    base = np.log(predict(cluster, runs, start))
+    effect: dict[str, float] = {}
+    for name in FACTORS:
+        low, high = BOUNDS[name]
+        moved = [np.max(np.abs(np.log(predict(cluster, runs, {**start, name: v})) - base)) for v in (low, high)]
+        effect[name] = float(max(moved))
+    chosen = sorted((n for n in FACTORS if effect[n] > SENSITIVITY), key=lambda n: -effect[n])[:max(len(runs) - 1, 1)]
+    skipped = {n: (f"moves no prediction by more than {SENSITIVITY:.1%} over its range on these runs" if effect[n] <= SENSITIVITY
+                   else "fewer runs than factors: the least influential are kept fixed") for n in FACTORS if n not in chosen}
+    return chosen, skipped
+
+
+def fit_factors(cluster: ClusterSpec, runs: list[Run], names: list[str], start: dict[str, float]) -> dict[str, float]:
+    """Least squares on log(predicted / measured) over `names`, the others held at `start`."""
+    measured = np.array([r.measured_step_time_s for r in runs])
+    if not names:
+        return dict(start)
+    lower = np.array([BOUNDS[n][0] for n in names])
+    upper = np.array([BOUNDS[n][1] for n in names])
+    x0 = np.clip([start[n] for n in names], lower, upper)
+    scale = np.maximum(upper - lower, 1e-12)
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        return np.log(predict(cluster, runs, {**start, **dict(zip(names, x))}) / measured)
+
+    import itertools
+
+    grid = [x0] + [np.array(p) for p in itertools.product(*(GRID[n] for n in names))]
+    costs = [float(np.sum(residuals(np.clip(p, lower, upper)) ** 2)) for p in grid]
+    best = None
+    for index in np.argsort(costs)[:STARTS]:
+        result = least_squares(residuals, np.clip(grid[index], lower, upper), bounds=(lower, upper), x_scale=scale,
+                               diff_step=1e-2, method="trf")
+        if best is None or result.cost < best.cost:
+            best = result
+    assert best is not None
+    return {**start, **{n: float(v) for n, v in zip(names, best.x)}}
+
+
+@dataclass(frozen=True)
+class FromRunsResult:
+    output: Path
+    runs: int
+    factors: dict[str, float]
+    fitted: list[str]
+    fixed: dict[str, str]
+    mape: dict[str, float]
+    table: list[dict[str, Any]]
+
+    def summary(self) -> dict[str, Any]:
+        return {"output": str(self.output), "runs": self.runs, "factors": self.factors, "fitted": self.fitted,
+                "fixed": self.fixed, "mape": self.mape, "per_run": self.table}
+
+
+def refit_from_runs(runs_dir: Path, cluster: str, output: Path) -> FromRunsResult:
+    """Fit the correction factors of `cluster` to the runs in `runs_dir`; write the refitted cluster to `output`."""
+    output = Path(output)
+    if output.suffix not in (".yaml", ".yml"):
+        raise InputError(f"-o {output}: the refitted cluster must be a .yaml file")
+    spec = load_cluster(cluster)
+    runs = discover_runs(Path(runs_dir))
+    measured = np.array([r.measured_step_time_s for r in runs])
+    start = initial_factors(spec)
+    before = predict(spec, runs, start)
+    names, fixed = identifiable(spec, runs, start)
+    factors = fit_factors(spec, runs, names, start)
+    after = predict(spec, runs, factors)
+    loo = np.full(len(runs), np.nan)
+    if len(runs) >= 2:
+        for i in range(len(runs)):
+            rest = [r for j, r in enumerate(runs) if j != i]
+            held = fit_factors(spec, rest, names[:max(len(rest) - 1, 1)] if names else [], start)
+            loo[i] = predict(spec, [runs[i]], held)[0]
+    scores = {"before": mape(before, measured), "after_in_sample": mape(after, measured)}
+    if len(runs) >= 2:
+        scores["after_leave_one_run_out"] = mape(loo, measured)
+    table = [{"run": r.name, "devices": r.devices, "layout": _layout_text(r.layout), "steps_used": r.steps_used,
+              "measured_step_time_s": _sig(r.measured_step_time_s), "predicted_before_s": _sig(before[i]),
+              "predicted_after_s": _sig(after[i]),
+              "predicted_leave_one_out_s": None if math.isnan(loo[i]) else _sig(loo[i])} for i, r in enumerate(runs)]
+    mismatched = sorted({r.cluster_name for r in runs if r.cluster_name and r.cluster_name not in (spec.name, cluster)})
+    section = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "runs_dir": str(runs_dir), "runs": len(runs), "fitted": {n: _sig(factors[n]) for n in names},
+               "fixed": fixed, "start": {n: _sig(v) for n, v in start.items()},
+               "mape": {k: round(v, 4) for k, v in scores.items()}, "per_run": table,
+               "method": "scipy.optimize.least_squares on log(predicted/measured) step time; leave-one-run-out CV"}
+    if mismatched:
+        section["note"] = f"runs recorded cluster(s) {', '.join(mismatched)}; refitted against {spec.name}"
+    data = _write(cluster, factors, names, section, output)
+    spec_from_dict(ClusterSpec, data, source=str(output))
+    return FromRunsResult(output=output, runs=len(runs), factors={n: factors[n] for n in names}, fitted=names,
+                          fixed=fixed, mape=scores, table=table)
+
+
+def _write(cluster: str, factors: dict[str, float], names: list[str], section: dict[str, Any], output: Path) -> dict[str, Any]:
+    path = resolve_cluster_path(cluster)
+    data = read_yaml(path)
+    acc = data["accelerator"]
+    stamp = f"fitted by mosaic calibrate --from-runs ({section['runs']} runs, {section['date']}), see calibration.from_runs"
+    if "efficiency_scale" in names:
+        s = factors["efficiency_scale"]
+        for curve in [*acc["compute_efficiency"].values(), acc["memory_efficiency"]]:
+            curve["values"] = [float(f"{min(1.0, max(1e-4, float(v) * s)):.4g}") for v in curve["values"]]
+            curve["source"] = f"{curve.get('source', '')}; scaled by {s:.4g} {stamp}".lstrip("; ")
+    if "launch_latency_s" in names:
+        acc["launch_latency_s"] = float(f"{factors['launch_latency_s']:.4g}")
+        acc.setdefault("sources", {})["launch_latency_s"] = stamp
+    if "overlap" in names:
+        overlap = data.setdefault("overlap", {})
+        overlap["ep"] = overlap["dp"] = float(f"{factors['overlap']:.4g}")
+        overlap["source"] = f"ep and dp: {stamp}"
+    if "straggler_cv" in names:
+        straggler = data.setdefault("straggler", {})
+        straggler["cv"] = float(f"{factors['straggler_cv']:.4g}")
+        straggler["source"] = stamp
+    calibration = data.get("calibration") or {}
+    calibration["from_runs"] = section
+    data["calibration"] = calibration
+    text = yaml.safe_dump(data, sort_keys=False, width=100)
+    spec_from_dict(ClusterSpec, yaml.safe_load(text), source=str(output))  # validate before writing
+    write_text_atomic(output, text)
+    return data
+
+
+def _layout_text(layout: ParallelLayout) -> str:
+    return ",".join(f"{k}={getattr(layout, k)}" for k in ("tp", "pp", "ep", "dp", "dp_flavor", "mbs", "gbs", "precision"))
+
+
+def _sig(value: float) -> float:
+    return float(f"{float(value):.5g}")
+
+
+__all__ = ["FACTORS", "FromRunsResult", "Run", "apply_factors", "discover_runs", "fit_factors", "identifiable",
+           "load_run", "predict", "refit_from_runs"]

@@ -1,0 +1,78 @@
+"""A rank that dies or hangs ends the run with a clear error and keeps the measurements; CLI input errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from calibration.collectives import FAULT_ENV, run_collectives_subprocess
+from mosaic.cli.app import app
+
+from .conftest import base_cluster
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_dying_rank_ends_the_cli_run_with_a_clear_error_and_keeps_measurements(tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "die:1:10")  # rank 1 exits once two collectives (7 sizes each) are measured
+    output = tmp_path / "cal.yaml"
+    result = CliRunner().invoke(app, ["calibrate", "--quick", "--nproc", "2", "--cluster", base_cluster(),
+                                      "-o", str(output), "--timeout", "60"])
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    assert "error:" in message and "rank" in message and "measurements kept" in message
+    assert not output.exists()  # no profile from a broken run
+    from calibration.measurements import read_csv
+
+    rows = read_csv(tmp_path / "cal.measurements.csv")
+    kinds = {r.kind for r in rows}
+    assert "gemm" in kinds and "all_reduce" in kinds  # kernels and the collectives measured before the failure
+    assert (tmp_path / "cal.collectives.log").exists()
+
+
+def test_a_hanging_rank_is_killed_after_the_timeout(tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "hang:1:7")
+    started = time.monotonic()
+    result = run_collectives_subprocess(2, "cpu", True, ["host"], [8], tmp_path, stall_s=6.0, total_timeout_s=120)
+    assert result.error is not None and "no progress" in result.error
+    assert time.monotonic() - started < 90
+    assert {r.kind for r in result.rows} == {"all_reduce"}  # the first collective's points were kept
+    # every process of the run is gone (torchrun and its ranks share one process group)
+    out = subprocess.run(["pgrep", "-f", f"calibration.collectives --out {tmp_path}"], capture_output=True, text=True)
+    assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--device", "tpu"], "--device 'tpu'"),
+    (["--device", "cuda"], "--cluster"),
+    (["--cluster", "nope"], "cluster 'nope'"),
+    (["--cluster", "h100", "-o", "out.txt", "--nproc", "1"], ".yaml"),
+    (["--cluster", "h100", "--nproc", "0"], "--nproc"),
+    (["--cluster", "h100", "--measurements", "missing.csv"], "missing.csv"),
+    (["--from-runs", "."], "--cluster"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["calibrate", *args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output
+    assert not list(tmp_path.glob("*.yaml"))
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from typer.testing import CliRunner; from mosaic.cli.app import app; "
+            "r = CliRunner().invoke(app, ['calibrate', '--help']); assert r.exit_code == 0, r.output; "
+            "assert '--from-runs' in r.output; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
