@@ -231,6 +231,7 @@ def solve_model(model: Any, solver: str, time_limit_s: float = 300.0) -> Solutio
     t0 = time.perf_counter()
     if solver == "scip":
         status, gap, values, objective = _solve_scip(model, time_limit_s)
+        _load_values(model, values)
     else:
         status, gap, values, objective = _solve_pyomo(model, solver, why, time_limit_s)
     seconds = time.perf_counter() - t0
@@ -239,6 +240,16 @@ def solve_model(model: Any, solver: str, time_limit_s: float = 300.0) -> Solutio
         raise SolverError(f"--solver {solver}: no optimal solution (status {status}); use --solver enumerate")
     return Solution(choice=int(np.argmax(x)), objective=float(objective), tokens=float(values["D"]) * D_SCALE,
                     status=status, gap=gap, seconds=seconds, solver=solver)
+
+
+def _load_values(model: Any, values: dict[str, float]) -> None:
+    """Put a solution read by name (the .nl symbolic labels) back into the Pyomo model."""
+    import pyomo.environ as pyo
+
+    for var in model.component_data_objects(pyo.Var):
+        if var.name in values:
+            value = values[var.name]
+            var.set_value(round(value) if var.is_integer() or var.is_binary() else value, skip_validation=True)
 
 
 def _solve_scip(model: Any, time_limit_s: float) -> tuple[str, Optional[float], dict[str, float], float]:

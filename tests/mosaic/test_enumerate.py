@@ -1,0 +1,123 @@
+"""Exact enumeration: brute-force reference, pruning never changes the answer, both budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+
+import perfmodel
+from mosaic.planner import build_problem
+from mosaic.planner import enumerate as enumerate_mod
+from mosaic.planner.candidates import STATIC_COMPONENTS, memory_per_device
+from mosaic.planner.enumerate import rank_cluster_optimal, rank_compute_optimal
+from mosaic.planner.plan import solve
+from perfmodel.errors import InfeasibleError
+from perfmodel.memory import stage_memory
+from perfmodel.specs.architecture import model_flops_per_token, total_params
+from perfmodel.specs.layout import LayoutBatch, ParallelLayout
+
+
+def _problem(law, space, prune=True, devices=64, days=5.0, cluster="h100"):
+    return build_problem(cluster, devices=devices, days=days, fit=law, space=space, prune=prune)
+
+
+def test_enumeration_matches_a_brute_force_loop(law, space):
+    """Every geometry's loss equals a loop over hand-built ParallelLayouts through evaluate."""
+    p = _problem(law, space)
+    ranked = rank_cluster_optimal(p, top=len(p.geoms))
+    lay_space = space.layout
+    layouts = []
+    for tp, pp, ep, flavor, rec in itertools.product((1, 2), (1, 2), lay_space.ep, lay_space.dp_flavor, lay_space.recompute):
+        lay = ParallelLayout(tp=tp, pp=pp, ep=ep, dp_flavor=flavor, recompute=rec, sequence_parallel=tp > 1).resolve(64)
+        unit = lay.mbs * lay.dp
+        layouts.append(dataclasses.replace(lay, gbs=int(np.ceil(np.ceil(8.0e6 / 4096) / unit)) * unit))
+    batch = LayoutBatch.stack(layouts)
+    archs = p.geoms.archs
+    best_loss = {}
+    for g in range(len(p.geoms)):
+        arch = archs.row(g)
+        res = perfmodel.evaluate(arch, batch, p.cluster, 64)
+        if res.feasible.any():
+            d = res.tokens_per_s[res.feasible].max() * p.eta * p.budget.wall_time_s
+            best_loss[g] = float(law.predict(total_params(arch), arch.sparsity, d, arch.granularity))
+    ok = np.isfinite(ranked.loss)
+    assert len(best_loss) == ok.sum() > 3
+    for g, loss in zip(ranked.index[ok], ranked.loss[ok]):
+        assert loss == pytest.approx(best_loss[int(g)], rel=1e-12)
+    assert int(ranked.index[0]) == min(best_loss, key=best_loss.get)
+
+
+@pytest.mark.parametrize("cluster,devices", [("h100", 64), ("ascend_superpod", 128)])
+def test_pruned_and_unpruned_agree(law, make_space, cluster, devices, monkeypatch):
+    monkeypatch.setattr(enumerate_mod, "CHUNK_PAIRS", 2000)  # several chunks, so the loss bound can stop early
+    space = make_space(n_shared_experts=(0, 1)).replace_layout(mbs=(1, 2), vpp=(1, 2))
+    pruned = rank_cluster_optimal(_problem(law, space, True, devices, cluster=cluster), top=5)
+    full = rank_cluster_optimal(_problem(law, space, False, devices, cluster=cluster), top=5)
+    assert pruned.pruned_geometries > 0  # the bound did skip geometries
+    np.testing.assert_array_equal(pruned.index[:5], full.index[:5])
+    np.testing.assert_allclose(pruned.loss[:5], full.loss[:5], rtol=1e-12)
+    np.testing.assert_array_equal(pruned.results.best_layout[:5], full.results.best_layout[:5])
+    np.testing.assert_allclose(pruned.results.tokens_per_s[:5], full.results.tokens_per_s[:5], rtol=1e-12)
+
+
+def test_loss_bound_holds_for_every_timed_geometry(law, space):
+    p = _problem(law, space, prune=False)
+    ranked = rank_cluster_optimal(p, top=len(p.geoms), bound=False)
+    lb = p.loss_lower_bound()[ranked.index]
+    ok = np.isfinite(ranked.loss)
+    assert np.all(lb[ok] <= ranked.loss[ok])
+    assert np.all(ranked.results.mfu <= p.mfu_cap()[ranked.index])
+
+
+def test_static_memory_is_a_lower_bound_independent_of_batch_and_recompute(law, space):
+    p = _problem(law, space)
+    ev = p.evaluator
+    idx = np.arange(len(p.geoms))
+    archs, lays, _, _ = ev.pairs(idx)
+    full = memory_per_device(archs, lays, p.cluster).reshape(len(idx), len(ev.grid))
+    static = ev.static_memory(idx)
+    assert np.all(static <= full * (1 + 1e-12))
+    variants = [dataclasses.replace(lays, mbs=lays.mbs * 2), dataclasses.replace(lays, recompute=(lays.recompute + 1) % 3),
+                dataclasses.replace(lays, sequence_parallel=~lays.sequence_parallel), dataclasses.replace(lays, gbs=lays.gbs * 2)]
+    for stage in ("first", "last"):
+        base = sum(stage_memory(archs, lays, p.cluster, stage)[c] for c in STATIC_COMPONENTS)
+        for v in variants:
+            np.testing.assert_allclose(sum(stage_memory(archs, v, p.cluster, stage)[c] for c in STATIC_COMPONENTS), base)
+
+
+def test_memory_pruning_matches_evaluate(law, space):
+    p = _problem(law, space)
+    archs, lays, _, _ = p.evaluator.pairs(np.arange(4))
+    res = perfmodel.evaluate(archs, lays, p.cluster, 64)
+    np.testing.assert_allclose(memory_per_device(archs, lays, p.cluster), res.memory_per_device_bytes, rtol=1e-12)
+
+
+def test_compute_optimal_budget_is_the_classic_answer(law, space):
+    p = _problem(law, space)
+    acc = p.cluster.accelerator
+    c_model = 64 * acc.peak("bf16") * 0.40 * perfmodel.goodput(p.cluster, 64) * 5 * 86400
+    assert p.c_model == pytest.approx(c_model, rel=1e-12)
+    co = rank_compute_optimal(p)
+    tokens = c_model / model_flops_per_token(p.geoms.archs)
+    losses = law.predict(total_params(p.geoms.archs), np.asarray([p.geoms.archs.row(i).sparsity for i in range(len(p.geoms))]),
+                         tokens, np.asarray([p.geoms.archs.row(i).granularity for i in range(len(p.geoms))]))
+    assert int(co.index[0]) == int(np.argmin(losses))
+    assert co.loss[0] == pytest.approx(losses.min(), rel=1e-12)
+
+
+def test_more_budget_lowers_the_cluster_optimal_loss(law, space):
+    short = solve(_problem(law, space, days=5.0), top=1).cluster_optimal.predicted["loss"]
+    long = solve(_problem(law, space, days=10.0), top=1).cluster_optimal.predicted["loss"]
+    assert long < short
+
+
+def test_infeasible_budget_names_memory_and_the_relaxation(law, space):
+    c = perfmodel.load_cluster("h100")
+    tiny = dataclasses.replace(c, accelerator=dataclasses.replace(c.accelerator, hbm_usable_bytes=3.5e9))
+    p = build_problem(tiny, devices=64, days=5, fit=law, space=space)
+    with pytest.raises(InfeasibleError, match="memory binds.*nearest feasible relaxation: usable HBM >= ") as info:
+        solve(p)
+    assert info.value.exit_code == 1

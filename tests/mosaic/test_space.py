@@ -1,0 +1,90 @@
+"""Search space: loading, defaults, geometry and layout expansion."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from mosaic.planner.space import (
+    default_space_path,
+    geometries,
+    global_batch,
+    layout_grid,
+    load_space,
+    resolve_space,
+    space_from_dict,
+)
+from perfmodel.errors import InputError
+from perfmodel.specs.architecture import ARCH_FIELDS, active_params
+from perfmodel.specs.layout import RECOMPUTE_MODES
+
+
+def test_default_space_expands_to_valid_geometries():
+    space = load_space()
+    c_model = 2.0e23
+    resolved = resolve_space(space, node_devices=16, compute_optimal_flops=c_model)
+    geoms = geometries(resolved)
+    archs = geoms.archs
+    assert len(geoms) > 100
+    lo, hi = resolved.active_params_range
+    assert np.isclose(hi, np.sqrt(c_model / (6 * 5))) and np.isclose(lo, np.sqrt(c_model / (6 * 2000)))
+    n_act = active_params(archs)
+    assert np.all((n_act >= lo) & (n_act <= hi))
+    ratio = archs.d_model / archs.n_layers
+    assert np.all((ratio >= 32) & (ratio <= 256))
+    assert np.all(archs.n_heads * archs.head_dim == archs.d_model)
+    moe = archs.n_experts > 0
+    assert np.all(archs.top_k[moe] < archs.n_experts[moe]) and np.all(archs.top_k[~moe] == 0)
+    for i in np.random.default_rng(0).choice(len(geoms), 50, replace=False):
+        archs.row(int(i))  # each row is a valid MoEArchitecture (its __post_init__ checks)
+    rows = np.stack([np.asarray(getattr(archs, f), dtype=float) for f in ARCH_FIELDS], 1)
+    assert len(np.unique(rows, axis=0)) == len(rows)  # dense rows collapsed, no duplicates
+
+
+def test_tp_auto_and_sequence_parallel_rule():
+    resolved = resolve_space(load_space(), node_devices=16, compute_optimal_flops=1e23)
+    assert resolved.tp == (1, 2, 4, 8)
+    grid = layout_grid(resolved, devices=768)
+    world = grid.tp * grid.cp * grid.pp * grid.dp
+    assert np.all(world == 768)
+    assert np.all(grid.sequence_parallel == (grid.tp > 1))
+    assert np.all((grid.vpp == 1) | (grid.pp > 1))
+    assert set(np.unique(grid.recompute)) == set(range(len(RECOMPUTE_MODES)))
+
+
+def test_global_batch_rule_is_smallest_multiple_holding_the_target():
+    mbs = np.array([1, 2, 1, 4])
+    dp = np.array([64, 48, 768, 3])
+    seq = np.array([4096, 4096, 2048, 8192])
+    gbs = global_batch(mbs, dp, seq, 8.0e6)
+    unit = mbs * dp
+    assert np.all(gbs % unit == 0)
+    assert np.all(gbs * seq >= 8.0e6)
+    assert np.all(((gbs - unit) * seq < 8.0e6) | (gbs == unit))
+
+
+def test_unknown_key_and_bad_value_name_the_key(tmp_path):
+    data = yaml.safe_load(default_space_path().read_text())
+    data["layout"]["recompte"] = ["none"]
+    with pytest.raises(InputError, match="recompte.*did you mean 'recompute'"):
+        space_from_dict(data, "space.yaml")
+    data = yaml.safe_load(default_space_path().read_text())
+    data["layout"]["recompute"] = ["none", "sometimes"]
+    with pytest.raises(InputError, match="recompute"):
+        space_from_dict(data, "space.yaml")
+    data = yaml.safe_load(default_space_path().read_text())
+    data["geometry"]["aspect_ratio"] = [300, 32]
+    with pytest.raises(InputError, match="aspect_ratio"):
+        space_from_dict(data, "space.yaml")
+    path = tmp_path / "space.yaml"
+    path.write_text("version: 1\ngeometry: {d_model: [1024]}\n")
+    with pytest.raises(InputError, match="n_layers"):
+        load_space(str(path))
+
+
+def test_no_layout_divides_devices_is_an_input_error():
+    space = load_space().replace_layout(tp=(2,), pp=(2,), cp=(1,))
+    resolved = resolve_space(space, node_devices=8, compute_optimal_flops=1e22)
+    with pytest.raises(InputError, match="divides devices=7"):
+        layout_grid(resolved, devices=7)
