@@ -139,7 +139,10 @@ class GroupedExperts(nn.Module):
         if self.impl == "grouped" and x_NH.shape[0] > 0 and _grouped_mm_ok(self.w1, self.w2):
             return self.forward_grouped(x_NH, counts_E)
         if x_NH.shape[0] == 0:
-            return x_NH.new_zeros(0, self.w2.shape[-1])
+            # Keep the autograd graph through x and the weights even without rows: under expert
+            # parallel every rank must run the same backward all-to-alls.
+            anchor = x_NH.sum() + sum(p.sum() for p in self.parameters(recurse=False))
+            return x_NH.new_zeros(0, self.w2.shape[-1]) + 0.0 * anchor
         return self.forward_loop(x_NH, counts_E)
 
 
