@@ -1,0 +1,102 @@
+"""Both budgets side by side, the plan file, and the sweeps / sensitivity APIs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from mosaic.planner import build_problem
+from mosaic.planner.plan import load_plan, plan_to_dict, result_to_json, solve, write_plan
+from mosaic.planner.sensitivity import bootstrap_comparison, sensitivity_table
+from mosaic.planner.sweep import plot_sweep, sweep
+from perfmodel.errors import InputError
+from perfmodel.specs.architecture import ARCH_FIELDS
+from perfmodel.specs.layout import LAYOUT_FIELDS
+
+PREDICT_KEYS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "tflops_per_device",
+                "memory_per_device_bytes", "feasible", "reason", "breakdown")
+
+
+@pytest.fixture
+def result(law, space):
+    return solve(build_problem("h100", devices=64, days=5, fit=law, space=space), top=3)
+
+
+def test_json_payload_has_both_plans_with_their_predictions(result):
+    payload = result_to_json(result)
+    assert set(payload) >= {"cluster_optimal", "compute_optimal", "alternatives"}
+    cl, co = payload["cluster_optimal"], payload["compute_optimal"]
+    for plan in (cl, co):
+        assert set(ARCH_FIELDS) | {"n_total_params", "n_active_params", "sparsity", "granularity"} <= set(plan["model"])
+    assert set(PREDICT_KEYS) | {"loss", "wall_time_s", "model_flops", "deliverable_flops"} <= set(cl["predicted"])
+    assert set(LAYOUT_FIELDS) == set(cl["layout"])
+    # cluster-optimal: D = C_deliverable / FLOPs per token, so C_model = C_deliverable
+    assert cl["predicted"]["model_flops"] == pytest.approx(cl["predicted"]["deliverable_flops"], rel=1e-9)
+    assert cl["predicted"]["model_flops"] == pytest.approx(cl["tokens"] * cl["predicted"]["flops_per_token"], rel=1e-12)
+    assert cl["predicted"]["memory_per_device_bytes"] <= result.problem.cluster.accelerator.usable_hbm_bytes
+    # compute-optimal: fixed C_model, and what it costs here
+    assert co["predicted"]["model_flops"] == pytest.approx(result.problem.c_model)
+    assert co["predicted"]["nominal_mfu"] == 0.40 and "Llama 3" in co["predicted"]["nominal_mfu_source"]
+    on = co["predicted"]["on_cluster"]
+    if on["feasible"]:
+        assert on["days_needed"] == pytest.approx(co["tokens"] / (on["tokens_per_s"] * result.problem.eta) / 86400)
+        assert on["loss_in_budget"] >= cl["predicted"]["loss"] - 1e-12  # the cluster optimum is optimal here
+    else:
+        assert on["reason"] in ("memory", "invalid_layout")
+    losses = [cl["predicted"]["loss"]] + [a["predicted"]["loss"] for a in payload["alternatives"]]
+    assert losses == sorted(losses) and len(payload["alternatives"]) == 3
+    assert payload["binding"]["constraint"] in ("none", "memory", "throughput")
+
+
+def test_plan_file_round_trip(result, tmp_path):
+    path = tmp_path / "plans" / "plan.yaml"
+    write_plan(str(path), result)
+    data = yaml.safe_load(path.read_text())
+    assert data["version"] == 1
+    for key in ("tool_version", "cluster", "fit", "budget", "model", "tokens", "layout", "predicted", "alternatives"):
+        assert key in data
+    assert data["cluster"] == {"name": "h100", "hash": result.problem.cluster.content_hash()}
+    assert data["fit"]["hash"] == result.problem.law.content_hash()
+    assert data["budget"] == {"devices": 64, "days": 5.0, "wall_time_s": 5 * 86400.0}
+    arch, layout, _ = load_plan(str(path))
+    assert arch == result.cluster_optimal.arch and layout == result.cluster_optimal.layout
+    assert [p.name for p in path.parent.iterdir()] == ["plan.yaml"]  # no temp file left
+    assert plan_to_dict(result)["model"] == data["model"]
+
+
+def test_load_plan_rejects_unknown_keys(result, tmp_path):
+    path = tmp_path / "plan.yaml"
+    write_plan(str(path), result)
+    data = yaml.safe_load(path.read_text())
+    data["layout"]["tpp"] = 2
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError, match="tpp"):
+        load_plan(str(path))
+
+
+def test_sparsity_sweep_contains_the_global_optimum(law, space, result, tmp_path):
+    frame = sweep("h100", "sparsity", devices=64, days=5, fit=law, space=space)
+    assert list(frame["value"]) == sorted(frame["value"]) and frame["value"].iloc[0] == 0.0
+    assert np.nanmin(frame["cluster_optimal_loss"]) == pytest.approx(result.cluster_optimal.predicted["loss"], rel=1e-12)
+    assert np.nanmin(frame["compute_optimal_loss"]) == pytest.approx(result.compute_optimal.predicted["loss"], rel=1e-12)
+    plot_sweep(frame, str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_days_sweep_is_monotone(law, space):
+    frame = sweep("h100", "days", values=[2, 4, 8], devices=64, fit=law, space=space)
+    assert np.all(np.diff(frame["cluster_optimal_loss"]) < 0)
+    assert np.all(np.diff(frame["compute_optimal_loss"]) < 0)
+    with pytest.raises(InputError, match="--over"):
+        sweep("h100", "layers", fit=law, space=space)
+
+
+def test_sensitivity_moves_the_right_way(result):
+    rows = {r["change"]: r for r in sensitivity_table(result)}
+    base = result.cluster_optimal.predicted["loss"]
+    assert rows["budget x1.2"]["loss"] < base < rows["budget x0.8"]["loss"]
+    assert rows["hbm x1.2"]["loss"] <= base + 1e-12  # more memory never removes a feasible option
+    assert rows["bandwidth x1.2"]["loss"] <= base + 1e-12
+    note = bootstrap_comparison(result)
+    assert note["p_beats_runner_up"] is None and "bootstrap" in note["note"]
