@@ -44,12 +44,14 @@ from perfmodel.specs.strict import from_mapping, read_yaml, spec_from_dict, writ
 FACTORS = ("efficiency_scale", "launch_latency_s", "overlap", "straggler_cv")
 BOUNDS = {"efficiency_scale": (1e-3, 5.0), "launch_latency_s": (0.0, 2e-3), "overlap": (0.0, 1.0),
           "straggler_cv": (0.0, 0.5)}
-GRID = {"efficiency_scale": (1.0, 0.3, 0.1, 0.03, 0.01, 0.003), "launch_latency_s": (3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3),
+GRID = {"efficiency_scale": tuple(np.logspace(-3, 0.5, 6)), "launch_latency_s": tuple(np.logspace(-6, -3, 5)),
         "overlap": (0.0, 0.5, 1.0), "straggler_cv": (0.0, 0.05, 0.2)}
 """Starting points: the objective is flat in a factor where another term dominates (dispatch is
 max(device time, kernels x latency)), so a local fit from the datasheet values can stall; the
 best few grid points (plus the current values) start the fits and the best result is kept."""
-STARTS = 3
+LOG_FACTORS = {"efficiency_scale": 1e-3, "launch_latency_s": 1e-7}
+"""Scale factors fitted as log10 (value floored here): they span decades."""
+STARTS = 2
 SENSITIVITY = 1e-3
 """A factor is fitted only if moving it across its range changes some prediction by more than 0.1%."""
 
@@ -176,30 +178,42 @@ def identifiable(cluster: ClusterSpec, runs: list[Run], start: dict[str, float])
 
 
 def fit_factors(cluster: ClusterSpec, runs: list[Run], names: list[str], start: dict[str, float]) -> dict[str, float]:
-    """Least squares on log(predicted / measured) over `names`, the others held at `start`."""
-    measured = np.array([r.measured_step_time_s for r in runs])
-    if not names:
-        return dict(start)
-    lower = np.array([BOUNDS[n][0] for n in names])
-    upper = np.array([BOUNDS[n][1] for n in names])
-    x0 = np.clip([start[n] for n in names], lower, upper)
-    scale = np.maximum(upper - lower, 1e-12)
+    """Least squares on log(predicted / measured) over `names`, the others held at `start`.
 
-    def residuals(x: np.ndarray) -> np.ndarray:
-        return np.log(predict(cluster, runs, {**start, **dict(zip(names, x))}) / measured)
-
+    Scale factors (LOG_FACTORS) are searched as log10 values; multi-start from
+    the best grid points (GRID) and the current values.
+    """
     import itertools
 
-    grid = [x0] + [np.array(p) for p in itertools.product(*(GRID[n] for n in names))]
-    costs = [float(np.sum(residuals(np.clip(p, lower, upper)) ** 2)) for p in grid]
+    if not names:
+        return dict(start)
+    measured = np.array([r.measured_step_time_s for r in runs])
+
+    def to_u(name: str, value: float) -> float:
+        return float(np.log10(max(value, LOG_FACTORS[name]))) if name in LOG_FACTORS else float(value)
+
+    def from_u(name: str, u: float) -> float:
+        return float(10.0 ** u) if name in LOG_FACTORS else float(u)
+
+    lower = np.array([to_u(n, max(BOUNDS[n][0], LOG_FACTORS.get(n, BOUNDS[n][0]))) for n in names])
+    upper = np.array([to_u(n, BOUNDS[n][1]) for n in names])
+
+    def residuals(u: np.ndarray) -> np.ndarray:
+        values = {n: from_u(n, x) for n, x in zip(names, u)}
+        return np.log(predict(cluster, runs, {**start, **values}) / measured)
+
+    grid = [np.array([to_u(n, start[n]) for n in names])]
+    grid += [np.array([to_u(n, v) for n, v in zip(names, p)]) for p in itertools.product(*(GRID[n] for n in names))]
+    grid = [np.clip(u, lower, upper) for u in grid]
+    costs = [float(np.sum(residuals(u) ** 2)) for u in grid]
     best = None
     for index in np.argsort(costs)[:STARTS]:
-        result = least_squares(residuals, np.clip(grid[index], lower, upper), bounds=(lower, upper), x_scale=scale,
-                               diff_step=1e-2, method="trf")
+        result = least_squares(residuals, grid[index], bounds=(lower, upper), x_scale=np.maximum(upper - lower, 1e-9),
+                               diff_step=1e-3, method="trf")
         if best is None or result.cost < best.cost:
             best = result
     assert best is not None
-    return {**start, **{n: float(v) for n, v in zip(names, best.x)}}
+    return {**start, **{n: from_u(n, u) for n, u in zip(names, best.x)}}
 
 
 @dataclass(frozen=True)
@@ -295,5 +309,5 @@ def _sig(value: float) -> float:
     return float(f"{float(value):.5g}")
 
 
-__all__ = ["FACTORS", "FromRunsResult", "Run", "apply_factors", "discover_runs", "fit_factors", "identifiable",
+__all__ = ["FACTORS", "FromRunsResult", "Run", "apply_factors", "discover_runs", "fit_factors", "identifiable", "initial_factors",
            "load_run", "predict", "refit_from_runs"]
