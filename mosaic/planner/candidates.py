@@ -50,7 +50,10 @@ STATIC_FREE_FIELDS = ("mbs", "recompute", "sequence_parallel", "gbs")
 
 def memory_per_device(archs: ArchBatch, lays: LayoutBatch, cluster: ClusterSpec) -> np.ndarray:
     """Bytes per device of the larger pipeline stage (what `evaluate` reports)."""
-    totals = [sum(stage_memory(archs, lays, cluster, stage)[k] for k in MEMORY_COMPONENTS) for stage in ("first", "last")]
+    totals = []
+    for stage in ("first", "last"):
+        parts = stage_memory(archs, lays, cluster, stage)
+        totals.append(sum(parts[k] for k in MEMORY_COMPONENTS))
     return np.maximum(totals[0], totals[1]).astype(float)
 
 
@@ -121,8 +124,10 @@ class PairEvaluator:
         g = np.repeat(geo_index, n_k)
         k = np.tile(np.arange(n_k), n_g)
         archs, lays = self.archs.take(g), self.key_grid.take(k)
-        per_stage = [sum(stage_memory(archs, lays, self.cluster, st)[c] for c in STATIC_COMPONENTS)
-                     for st in ("first", "last")]
+        per_stage = []
+        for st in ("first", "last"):
+            parts = stage_memory(archs, lays, self.cluster, st)
+            per_stage.append(sum(parts[c] for c in STATIC_COMPONENTS))
         static = np.maximum(per_stage[0], per_stage[1]).reshape(n_g, n_k)
         return static[:, self.key_of_layout]
 

@@ -103,23 +103,33 @@ class Problem:
 
     # -- evaluation with a cache (sweeps reuse it) ---------------------------------------
     def evaluate(self, index: np.ndarray, progress: Optional[Callable[[int], None]] = None,
-                 workers: int = 1) -> GeometryResults:
+                 pool: Optional[ProcessPoolExecutor] = None) -> GeometryResults:
         index = np.asarray(index, dtype=np.int64)
         missing = np.asarray([i for i in index if int(i) not in self._cache], dtype=np.int64)
         if len(missing):
             per_chunk = max(1, CHUNK_PAIRS // max(len(self.evaluator.grid), 1))
             chunks = [missing[i:i + per_chunk] for i in range(0, len(missing), per_chunk)]
-            if workers > 1 and len(chunks) > 1:
-                with ProcessPoolExecutor(max_workers=workers) as pool:
-                    parts = list(pool.map(self.evaluator.run, chunks))
-                    if progress is not None:
-                        progress(len(missing) * len(self.evaluator.grid))
+            if pool is not None and len(chunks) > 1:
+                parts = list(pool.map(_run_chunk, chunks))
+                if progress is not None:
+                    progress(len(missing) * len(self.evaluator.grid))
             else:
                 parts = [self.evaluator.run(c, progress) for c in chunks]
             for part in parts:
                 for j, g in enumerate(part.index):
                     self._cache[int(g)] = _take(part, j)
         return GeometryResults.concat([self._cache[int(i)] for i in index]) if len(index) else _empty()
+
+
+_WORKER: dict[str, PairEvaluator] = {}
+
+
+def _init_worker(evaluator: PairEvaluator) -> None:
+    _WORKER["evaluator"] = evaluator
+
+
+def _run_chunk(chunk: np.ndarray) -> GeometryResults:
+    return _WORKER["evaluator"].run(chunk)
 
 
 def _take(res: GeometryResults, j: int) -> GeometryResults:
@@ -159,23 +169,29 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
     threshold = math.inf
     i = 0
     pairs = 0
-    while i < len(order):
-        if lb_sorted[i] >= threshold:
-            break
-        stop = i + per_chunk
-        chunk = order[i:stop]
-        chunk = chunk[lb_sorted[i:stop] < threshold]
-        res = problem.evaluate(chunk, progress, workers)
-        pairs += len(chunk) * len(problem.evaluator.grid)
-        tokens = problem.tokens_in_budget(res.tokens_per_s)
-        loss = lawmod.loss(problem.law, problem.geoms.archs.take(res.index), tokens)
-        collected.append(res)
-        losses.append(loss)
-        allloss = np.concatenate(losses)
-        finite = allloss[np.isfinite(allloss)]
-        if len(finite) >= top:
-            threshold = float(np.partition(finite, top - 1)[top - 1])
-        i = stop
+    pool = (ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(problem.evaluator,))
+            if workers > 1 else None)
+    try:
+        while i < len(order):
+            if lb_sorted[i] >= threshold:
+                break
+            stop = i + per_chunk
+            chunk = order[i:stop]
+            chunk = chunk[lb_sorted[i:stop] < threshold]
+            res = problem.evaluate(chunk, progress, pool)
+            pairs += len(chunk) * len(problem.evaluator.grid)
+            tokens = problem.tokens_in_budget(res.tokens_per_s)
+            loss = lawmod.loss(problem.law, problem.geoms.archs.take(res.index), tokens)
+            collected.append(res)
+            losses.append(loss)
+            allloss = np.concatenate(losses)
+            finite = allloss[np.isfinite(allloss)]
+            if len(finite) >= top:
+                threshold = float(np.partition(finite, top - 1)[top - 1])
+            i = stop
+    finally:
+        if pool is not None:
+            pool.shutdown()
     res = GeometryResults.concat(collected) if collected else _empty()
     loss = np.concatenate(losses) if losses else np.zeros(0)
     if bound and problem.prune and len(res.index):

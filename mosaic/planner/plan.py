@@ -226,13 +226,13 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
     search: dict[str, Any] = {"solver": solver, "geometries": len(problem.geoms),
                               "layouts_per_geometry": len(problem.evaluator.grid)}
     if solver == "enumerate":
-        ranked = rank_cluster_optimal(problem, top=max(top, 2), progress=progress, workers=workers)
+        ranked = rank_cluster_optimal(problem, top=top + 1, progress=progress, workers=workers)
         search.update({"evaluated_geometries": ranked.evaluated, "pruned_geometries": ranked.pruned_geometries,
                        "candidates": ranked.pairs_seen})
     else:
         from mosaic.planner.minlp import solve_cluster_optimal
 
-        ranked, report = solve_cluster_optimal(problem, solver, top=max(top, 2), progress=progress)
+        ranked, report = solve_cluster_optimal(problem, solver, top=top + 1, progress=progress)
         search.update(report)
     feasible = np.isfinite(ranked.loss)
     if not np.any(feasible):

@@ -121,3 +121,11 @@ def test_infeasible_budget_names_memory_and_the_relaxation(law, space):
     with pytest.raises(InfeasibleError, match="memory binds.*nearest feasible relaxation: usable HBM >= ") as info:
         solve(p)
     assert info.value.exit_code == 1
+
+
+def test_process_parallel_search_gives_the_same_answer(law, space, monkeypatch):
+    monkeypatch.setattr(enumerate_mod, "CHUNK_PAIRS", 2000)
+    one = rank_cluster_optimal(_problem(law, space), top=3)
+    two = rank_cluster_optimal(_problem(law, space), top=3, workers=2)
+    np.testing.assert_array_equal(one.index[:3], two.index[:3])
+    np.testing.assert_allclose(one.loss[:3], two.loss[:3], rtol=1e-12)
