@@ -100,3 +100,12 @@ def test_sensitivity_moves_the_right_way(result):
     assert rows["bandwidth x1.2"]["loss"] <= base + 1e-12
     note = bootstrap_comparison(result)
     assert note["p_beats_runner_up"] is None and "bootstrap" in note["note"]
+
+
+def test_trainer_reads_the_plan_file(result, tmp_path):
+    from mosaic.trainer.config import load_plan as trainer_load_plan
+
+    path = tmp_path / "plan.yaml"
+    write_plan(str(path), result)
+    arch, layout, cluster = trainer_load_plan(path)
+    assert arch == result.cluster_optimal.arch and layout == result.cluster_optimal.layout and cluster == "h100"
