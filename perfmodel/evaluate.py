@@ -68,7 +68,7 @@ from perfmodel.operators import (
     shapes,
 )
 from perfmodel.schedule import bubble_slots, micro_batches, stage_layer_counts, straggler_factor
-from perfmodel.specs.architecture import ArchBatch, MoEArchitecture, model_flops_per_token
+from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, MoEArchitecture, model_flops_per_token
 from perfmodel.specs.layout import PRECISIONS, LayoutBatch, ParallelLayout
 from perfmodel.validity import valid_mask
 
@@ -235,6 +235,19 @@ def evaluate(archs: Union[MoEArchitecture, ArchBatch], layouts: Union[ParallelLa
 # ---------------------------------------------------------------------------
 # Hardware view of a chunk
 
+class _Curve:
+    """An `EfficiencyCurve` with its knots pre-logged: np.interp over log10(size), flat
+    beyond the ends (the same function as `EfficiencyCurve.__call__`, fewer passes)."""
+
+    def __init__(self, curve: Any) -> None:
+        self.log_sizes = np.log10(np.asarray(curve.sizes, dtype=float))
+        self.values = np.asarray(curve.values, dtype=float)
+
+    def __call__(self, size: Any) -> Any:
+        with np.errstate(divide="ignore"):
+            return np.interp(np.log10(size), self.log_sizes, self.values)
+
+
 class _Hardware:
     """Peaks and efficiency curves per candidate (precision codes index PRECISIONS)."""
 
@@ -258,12 +271,12 @@ class _Hardware:
         self.share = share
         self.gemm_peak = np.where(np.isfinite(gemm_peak), gemm_peak, fallback) * share
         self.attn_peak = np.where(np.isfinite(attn_peak), attn_peak, fallback) * share
-        self.curves = [acc.compute_curve(name) for name in PRECISIONS]
+        self.curves = [_Curve(acc.compute_curve(name)) for name in PRECISIONS]
         self.gemm_code, self.attn_code = code, attn_code
         self.gemm_present = np.flatnonzero(np.bincount(code, minlength=len(PRECISIONS)))
         self.attn_present = np.flatnonzero(np.bincount(attn_code, minlength=len(PRECISIONS)))
         self.bw = acc.hbm_bandwidth_bytes_per_s
-        self.mem_curve = acc.memory_efficiency
+        self.mem_curve = _Curve(acc.memory_efficiency)
         self.min_mem_eff = min(acc.memory_efficiency.values)
         self._mem_cache: dict[Any, Any] = {}
 
@@ -513,10 +526,58 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
     return out
 
 
+TABLE_ARCH_FIELDS = tuple(f for f in ARCH_FIELDS if f != "ffn_ratio")
+TABLE_LAYOUT_FIELDS = ("tp", "cp", "ep", "etp", "mbs", "sequence_parallel", "precision")
+"""What the per-block operator and collective tables depend on (not pp, vpp, dp, the dp
+flavour, gbs or recompute): candidates equal in these share one table row."""
+
+_HASH_MULTIPLIERS = np.random.default_rng(20250101).integers(1, 2**62, size=32, dtype=np.int64) | 1
+
+
+def _table_groups(arch: ArchBatch, lay: LayoutBatch, devices: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(representatives, inverse) when at most half the candidates have distinct block
+    tables (a planner grid: geometries x layouts), else None. Grouping is exact: a
+    multiplicative hash proposes groups and every key column is then compared."""
+    n = len(devices)
+    if n < 256:
+        return None
+    columns = [np.asarray(getattr(arch, f)).astype(np.int64, copy=False) for f in TABLE_ARCH_FIELDS]
+    columns += [np.asarray(getattr(lay, f)).astype(np.int64, copy=False) for f in TABLE_LAYOUT_FIELDS]
+    columns.append(np.asarray(devices).astype(np.int64))
+    with np.errstate(over="ignore"):
+        key = np.zeros(n, dtype=np.int64)
+        for col, mult in zip(columns, _HASH_MULTIPLIERS):
+            key = (key ^ (col * mult)) * np.int64(1099511628211)
+    if 4 * len(np.unique(key[:1024])) > 3 * min(n, 1024):  # a sample says most rows differ: not worth it
+        return None
+    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    if 2 * len(uniq) > n:
+        return None
+    inverse = inverse.ravel()
+    rep_of_row = first[inverse]
+    for col in columns:
+        if not np.array_equal(col[rep_of_row], col):  # a hash collision: price every row
+            return None
+    return first, inverse
+
+
+def _shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: Any, devices: np.ndarray,
+                         comm_cost: _Collectives, hw: _Hardware) -> dict[str, dict[str, Any]]:
+    """Block tables, computed once per distinct (geometry, table-relevant layout fields)."""
+    groups = _table_groups(arch, lay, devices)
+    if groups is None:
+        return _block_tables(arch, lay, comm_cost, hw)
+    first, inverse = groups
+    sub_lay = lay.take(first)
+    sub = _block_tables(arch.take(first), sub_lay, _Collectives(cluster, sub_lay),
+                        _Hardware(cluster, sub_lay, devices[first]))
+    return {block: {k: (v[inverse] if np.ndim(v) else v) for k, v in t.items()} for block, t in sub.items()}
+
+
 def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: Any, devices: np.ndarray) -> EvalResult:
     hw = _Hardware(cluster, lay, devices)
     comm_cost = _Collectives(cluster, lay)
-    tables = _block_tables(arch, lay, comm_cost, hw)
+    tables = _shared_block_tables(arch, lay, cluster, devices, comm_cost, hw)
     counts = stage_layer_counts(arch, lay)
     m = micro_batches(lay)
     slots = bubble_slots(lay)

@@ -90,7 +90,11 @@ def test_valid_configurations_give_finite_non_negative_numbers(config, cluster_n
     for v in values:
         assert np.all(np.isfinite(v)) and np.all(v >= 0)
     assert result.step_time_s[0] > 0
-    assert 0 < result.mfu[0] < 1
+    # MFU counts attention without the causal discount (DESIGN.md convention) while the flash
+    # kernel executes half of it (7 of the 12·L·s·h_q), so an attention-bound toy model at a
+    # curve's 100% efficiency may exceed 1 by at most 12/7; realistic ones stay in (0, 1)
+    # (test_evaluate.py::test_mfu_in_unit_interval_for_feasible_candidates).
+    assert 0 < result.mfu[0] < 12 / 7
     assert math.isclose(sum(result.breakdown[k][0] for k in STEP_COMPONENTS), result.step_time_s[0], rel_tol=1e-9)
 
 
