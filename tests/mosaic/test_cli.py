@@ -1,0 +1,79 @@
+"""`mosaic plan` and `mosaic sweep` end to end (in process, planted law unless the test says so)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from mosaic.cli.app import app
+from mosaic.planner import law as lawmod
+from perfmodel.specs.strict import spec_to_dict, write_yaml_atomic
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def space_file(tmp_path, space):
+    path = tmp_path / "space.yaml"
+    write_yaml_atomic(path, spec_to_dict(space))
+    return str(path)
+
+
+@pytest.fixture
+def planted(monkeypatch, law):
+    monkeypatch.setattr(lawmod, "load_law", lambda path=None: law)
+    return law
+
+
+def test_plan_json_and_plan_file(planted, space_file, tmp_path):
+    out = tmp_path / "plan.yaml"
+    res = runner.invoke(app, ["plan", "--cluster", "h100", "--devices", "64", "--days", "5", "--space", space_file,
+                              "--json", "--top", "2", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    payload = json.loads(res.stdout)
+    assert set(payload) >= {"cluster_optimal", "compute_optimal", "alternatives"}
+    assert len(payload["alternatives"]) == 2
+    plan = yaml.safe_load(out.read_text())
+    assert plan["version"] == 1 and plan["model"] == {k: payload["cluster_optimal"]["model"][k] for k in plan["model"]}
+    assert plan["layout"] == payload["cluster_optimal"]["layout"]
+
+
+def test_plan_tables_name_both_budgets_and_the_binding_constraint(planted, space_file):
+    res = runner.invoke(app, ["plan", "--cluster", "h100", "--devices", "64", "--hours", "48", "--space", space_file,
+                              "--solver", "scip", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.output.split())
+    for text in ("cluster-optimal", "compute-optimal", "binding constraint", "status optimal", "next best"):
+        assert text in flat
+
+
+def test_plan_bad_input_and_infeasible_exit_codes(planted, space_file, tmp_path):
+    res = runner.invoke(app, ["plan", "--cluster", "h100", "--devices", "4096", "--space", space_file])
+    assert res.exit_code == 2 and "exceeds cluster 'h100' size 1024" in " ".join(res.output.split())
+    res = runner.invoke(app, ["plan", "--cluster", "h100", "--days", "5", "--hours", "3", "--space", space_file])
+    assert res.exit_code == 2 and "not both" in res.output
+    res = runner.invoke(app, ["plan", "--cluster", "h100", "--solver", "gurobi", "--space", space_file])
+    assert res.exit_code == 2 and "--solver 'gurobi' is unknown" in " ".join(res.output.split())
+    cluster = yaml.safe_load(open("perfmodel/clusters/h100.yaml").read())
+    cluster["accelerator"]["hbm_usable_bytes"] = 3.5e9
+    path = tmp_path / "small_hbm.yaml"
+    path.write_text(yaml.safe_dump(cluster))
+    res = runner.invoke(app, ["plan", "--cluster", str(path), "--devices", "64", "--space", space_file])
+    assert res.exit_code == 1
+    flat = " ".join(res.output.split())
+    assert "memory binds" in flat and "nearest feasible relaxation" in flat
+
+
+def test_sweep_writes_csv_and_png(planted, space_file, tmp_path):
+    csv, png = tmp_path / "sweep.csv", tmp_path / "sweep.png"
+    res = runner.invoke(app, ["sweep", "--cluster", "h100", "--devices", "64", "--days", "5", "--space", space_file,
+                              "--over", "granularity", "-o", str(csv), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    lines = csv.read_text().splitlines()
+    assert lines[0].startswith("over,value") and len(lines) == 3  # G = 1 and 4
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    res = runner.invoke(app, ["sweep", "--cluster", "h100", "--over", "days", "--values", "a,b", "--space", space_file])
+    assert res.exit_code == 2 and "--values" in res.output
