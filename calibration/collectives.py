@@ -1,7 +1,8 @@
 """Collective benchmarks under torchrun, and the launcher that runs them as a subprocess.
 
 Worker (every rank, under torchrun): `python -m calibration.collectives --out rows.csv ...`.
-It times all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
+It times all_reduce, all_gather_into_tensor, reduce_scatter_tensor (named
+all_gather_single / reduce_scatter_single from torch 2.13),
 all_to_all_single and send/recv (each rank sends to the next and receives from
 the previous, as nccl-tests' sendrecv) over message sizes, for a group inside a
 node and, when the job spans nodes, a group with one rank per node. A repeat's
@@ -227,14 +228,18 @@ def _make_op(collective: str, count: int, members: list[int], rank: int, group: 
     if collective == "all_reduce":
         buf = torch.ones(count, device=device, dtype=dtype)
         return lambda: dist.all_reduce(buf, group=group)
+    # torch >= 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single (same
+    # arguments, the old names warn); use whichever this build has.
     if collective == "all_gather":
         shard = torch.ones(count // n, device=device, dtype=dtype)
         full = torch.empty(count, device=device, dtype=dtype)
-        return lambda: dist.all_gather_into_tensor(full, shard, group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(full, shard, group=group)
     if collective == "reduce_scatter":
         full = torch.ones(count, device=device, dtype=dtype)
         shard = torch.empty(count // n, device=device, dtype=dtype)
-        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(shard, full, group=group)
     if collective == "all_to_all":
         send = torch.ones(count, device=device, dtype=dtype)
         recv = torch.empty(count, device=device, dtype=dtype)

@@ -96,3 +96,42 @@ def test_refit_from_the_measurements_csv_reproduces_the_profile(quick_run, calib
     assert again.spec.levels[0] == calibrated.levels[0].__class__(**{**calibrated.levels[0].__dict__,
                                                                     "source": again.spec.levels[0].source})
     assert (tmp_path / "again.measurements.csv").read_text() == quick_run["csv"].read_text()
+
+
+def test_perfmodel_prices_collectives_as_measured(calibrated, rows):
+    """The written level figures, read back through perfmodel.comm, reproduce the measured bandwidth."""
+    from perfmodel.comm import collective_time
+
+    largest = max(r.bytes for r in rows if r.kind in COLLECTIVE_KINDS)
+    for fit in calibrated.calibration["collectives"]:
+        measured = next(r for r in rows if r.kind == fit["collective"] and r.bytes == largest)
+        model = float(collective_time(calibrated, fit["collective"], largest, 2, 1))
+        fitted = fit["alpha_s"] + largest / fit["algbw_bytes_per_s"]
+        assert model == pytest.approx(fitted, rel=0.15), fit["collective"]
+        assert model == pytest.approx(measured.median_s, rel=0.6), fit["collective"]  # the point itself is noisier
+
+
+def test_mosaic_predict_uses_the_calibrated_cluster(quick_run, calibrated):
+    import json
+
+    from typer.testing import CliRunner
+
+    from mosaic.cli.app import app
+    from perfmodel.clusters import bundled_cluster_paths
+
+    if "predict" not in {c.name for c in app.registered_commands}:
+        pytest.skip("`mosaic predict` is not registered in this build")
+    model = quick_run["folder"] / "model.yaml"
+    model.write_text(yaml.safe_dump({"version": 1, "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2,
+                                     "head_dim": 16, "vocab_size": 256, "seq_len": 32, "n_experts": 8, "top_k": 2,
+                                     "n_shared_experts": 1, "d_expert": 32, "d_ff_dense": 128, "n_dense_layers": 1,
+                                     "ffn_ratio": 4.0, "gated_ffn": True, "tie_embeddings": False}))
+    args = ["predict", "--model", str(model), "--layout", "dp=2,ep=2,mbs=2,gbs=8,precision=fp32", "--json"]
+    calibrated_out = CliRunner().invoke(app, [*args, "--cluster", str(quick_run["output"])])
+    assert calibrated_out.exit_code == 0, calibrated_out.output
+    result = json.loads(calibrated_out.output)
+    assert result["cluster"] == calibrated.name and result["step_time_s"] > 0
+    base = calibrated.calibration["base_cluster"]["name"]
+    if base in bundled_cluster_paths():
+        base_out = json.loads(CliRunner().invoke(app, [*args, "--cluster", base]).output)
+        assert base_out["step_time_s"] != result["step_time_s"]  # the measured figures are what it used
