@@ -109,3 +109,36 @@ def test_trainer_reads_the_plan_file(result, tmp_path):
     write_plan(str(path), result)
     arch, layout, cluster = trainer_load_plan(path)
     assert arch == result.cluster_optimal.arch and layout == result.cluster_optimal.layout and cluster == "h100"
+
+
+def test_bootstrap_probability_that_the_plan_beats_the_runner_up(result, planted_law_cls):
+    class Boot(planted_law_cls):
+        """Bootstrap samples: the planted parameters with b scaled by `scales`."""
+
+        def __init__(self, scales):
+            super().__init__()
+            self.scales = np.asarray(scales, dtype=float)
+            self.bootstrap_params = np.ones((len(scales), 11))
+
+        def predict_bootstrap(self, n_total, sparsity, tokens, granularity):
+            base = self.predict(n_total, sparsity, tokens, granularity)
+            d_term = self.params["b"] / np.asarray(tokens, dtype=float) ** self.params["beta"]
+            return base + (self.scales - 1.0)[:, None] * np.atleast_1d(d_term)[None, :]
+
+    result.problem.law = Boot([1.0] * 20)  # every sample is the point fit: the plan always wins
+    out = bootstrap_comparison(result)
+    assert out["p_beats_runner_up"] == 1.0 and out["samples"] == 20
+    lo, hi = out["loss_interval_90"]
+    assert lo == pytest.approx(hi) == pytest.approx(result.cluster_optimal.predicted["loss"])
+    scales = np.linspace(0.0, 3.0, 41)
+    result.problem.law = Boot(scales)
+    p = bootstrap_comparison(result)["p_beats_runner_up"]
+    best, runner = result.cluster_optimal, result.alternatives[0]
+    law = planted_law_cls()
+
+    def boot(choice):  # each plan at its own tokens D
+        base = choice.predicted["loss"]
+        return base + (scales - 1.0) * law.params["b"] / choice.tokens ** law.params["beta"]
+
+    assert p == pytest.approx(np.mean(boot(best) < boot(runner)))
+    assert 0.0 < p < 1.0 or best.tokens == runner.tokens
