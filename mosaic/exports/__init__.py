@@ -1,0 +1,41 @@
+"""Exporters: a plan as Megatron-LM / MindSpeed-LLM launch scripts, a torchtitan TOML, a Slurm job.
+
+`render(plan, fmt, gpus_per_node)` returns the text of one export; each format
+lives in its own module, which records the upstream version its option names
+were checked against.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from mosaic.exports.megatron import render_megatron
+from mosaic.exports.mindspeed import render_mindspeed
+from mosaic.exports.plan import ExportPlan, plan_from_dict, read_plan
+from mosaic.exports.slurm import render_slurm
+from mosaic.exports.torchtitan import model_differences, render_torchtitan
+from perfmodel.errors import InputError
+
+FORMATS = {
+    "megatron": render_megatron,
+    "mindspeed": render_mindspeed,
+    "torchtitan": render_torchtitan,
+    "slurm": render_slurm,
+}
+"""Format name -> renderer(plan, gpus_per_node) -> text."""
+EXECUTABLE = {"megatron": True, "mindspeed": True, "torchtitan": False, "slurm": True}
+"""Whether the export is a script (written with the executable bit)."""
+
+
+def render(plan: ExportPlan, fmt: str, gpus_per_node: Optional[int] = None) -> str:
+    if fmt not in FORMATS:
+        raise InputError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    return FORMATS[fmt](plan, gpus_per_node)
+
+
+def warnings_for(plan: ExportPlan, fmt: str) -> list[str]:
+    """Differences between the plan's model and what the target framework builds."""
+    return model_differences(plan) if fmt == "torchtitan" else []
+
+
+__all__ = ["EXECUTABLE", "FORMATS", "ExportPlan", "plan_from_dict", "read_plan", "render", "warnings_for"]

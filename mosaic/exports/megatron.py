@@ -1,0 +1,235 @@
+"""Megatron-LM `pretrain_gpt.py` arguments and launch script for a plan.
+
+Option names, arities and choices were checked against Megatron-LM's own
+argument parser: NVIDIA/Megatron-LM commit d98e8a64ddf34856e74b24714e3bedb2f5a39553
+(2026-08-22, megatron-core 0.20.0), `megatron/training/arguments.py`, built
+with `add_megatron_arguments(argparse.ArgumentParser())` and listed (878
+options); the options used here are stored with that provenance in
+tests/exports/upstream_options.py. MindSpeed-LLM (mindspeed.py) reuses these
+groups on Megatron core_v0.12.1, checked the same way.
+
+Mapping from the plan (MOSAIC symbol -> Megatron option):
+  tp, pp, cp, ep, etp   --tensor-/--pipeline-/--context-/--expert-model-/--expert-tensor-parallel-size
+  vpp > 1               --num-layers-per-virtual-pipeline-stage L/(pp*vpp)
+  sequence_parallel     --sequence-parallel (only with tp > 1; Megatron ignores it at tp = 1)
+  dp_flavor             ddp: (none); zero1: --use-distributed-optimizer;
+                        fsdp: --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
+                        --use-distributed-optimizer --ckpt-format fsdp_dtensor (both required by
+                        Megatron-FSDP v1 in validate_args)
+  dp                    not an option: Megatron derives it as world / (tp*cp*pp)
+  E, k, d_expert        --num-experts, --moe-router-topk, --moe-ffn-hidden-size
+  E_s                   --moe-shared-expert-intermediate-size E_s*d_expert (Megatron's total
+                        shared width: "num_shared_experts * ffn_size_of_each_shared_expert")
+  n_dense_layers        --moe-layer-freq "([0]*n+[1]*(L-n))" (a per-layer 0/1 pattern)
+  recompute             selective: --recompute-granularity selective --recompute-modules core_attn
+                        (the attention core, as the performance model's "selective");
+                        full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+  precision             bf16: --bf16; fp16: --fp16; fp8: --bf16 --fp8-format hybrid --fp8-recipe delayed;
+                        mxfp8: --bf16 --fp8-format e4m3 --fp8-recipe mxfp8; fp32: (none)
+  train iterations      --train-iters ceil(tokens / (gbs * seq_len))
+The model flags describe the bundled trainer's model: RMSNorm, RoPE (base
+10000, Megatron's default), GQA, no linear biases, SwiGLU (or GeLU MLP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from mosaic.exports.common import bash_array, header, node_shape
+from mosaic.exports.plan import ExportPlan
+
+MEGATRON_MATCHED = ("NVIDIA/Megatron-LM commit d98e8a64ddf3 (2026-08-22, megatron-core 0.20.0), "
+                    "megatron/training/arguments.py")
+
+
+@dataclass(frozen=True)
+class ArgGroup:
+    """A named group of command-line words (becomes one bash array)."""
+
+    name: str
+    comment: str
+    args: tuple[str, ...]
+
+
+def moe_layer_pattern(n_layers: int, n_dense_layers: int) -> str:
+    """Megatron's --moe-layer-freq list form: 0 = dense FFN layer, 1 = MoE layer."""
+    return f"([0]*{n_dense_layers}+[1]*{n_layers - n_dense_layers})"
+
+
+def model_args(plan: ExportPlan) -> list[str]:
+    m = plan.model
+    args = ["--num-layers", str(m.n_layers), "--hidden-size", str(m.d_model),
+            "--num-attention-heads", str(m.n_heads), "--kv-channels", str(m.head_dim)]
+    if m.n_kv_heads != m.n_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(m.n_kv_heads)]
+    if m.d_ff_dense > 0:
+        args += ["--ffn-hidden-size", str(m.d_ff_dense)]
+    args += ["--seq-length", str(m.seq_len), "--max-position-embeddings", str(m.seq_len),
+             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
+    if m.gated_ffn:
+        args.append("--swiglu")
+    if not m.tie_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    return args
+
+
+def moe_args(plan: ExportPlan, dispatcher: str = "alltoall") -> list[str]:
+    m = plan.model
+    if m.n_experts == 0:
+        return []
+    args = ["--num-experts", str(m.n_experts), "--moe-router-topk", str(m.top_k),
+            "--moe-ffn-hidden-size", str(m.d_expert)]
+    if m.n_shared_experts > 0:
+        args += ["--moe-shared-expert-intermediate-size", str(m.n_shared_experts * m.d_expert)]
+    if m.n_dense_layers > 0:
+        args += ["--moe-layer-freq", moe_layer_pattern(m.n_layers, m.n_dense_layers)]
+    args += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", dispatcher]
+    return args
+
+
+def parallel_args(plan: ExportPlan, fsdp_args: tuple[str, ...]) -> list[str]:
+    lay, m = plan.layout, plan.model
+    args = ["--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp)]
+    if lay.vpp > 1:
+        args += ["--num-layers-per-virtual-pipeline-stage", str(m.n_layers // (lay.pp * lay.vpp))]
+    args += ["--context-parallel-size", str(lay.cp)]
+    if m.n_experts > 0:
+        args += ["--expert-model-parallel-size", str(lay.ep), "--expert-tensor-parallel-size", str(lay.etp)]
+    if lay.sequence_parallel and lay.tp > 1:
+        args.append("--sequence-parallel")
+    if lay.dp_flavor == "zero1":
+        args.append("--use-distributed-optimizer")
+    elif lay.dp_flavor == "fsdp":
+        args += list(fsdp_args)
+    return args
+
+
+def recompute_args(plan: ExportPlan) -> list[str]:
+    mode = plan.layout.recompute
+    if mode == "selective":
+        return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+    if mode == "full":
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return []
+
+
+def precision_args(plan: ExportPlan) -> list[str]:
+    return {
+        "fp32": [],
+        "bf16": ["--bf16"],
+        "fp16": ["--fp16"],
+        "fp8": ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+        "mxfp8": ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"],
+    }[plan.layout.precision]
+
+
+def batch_args(plan: ExportPlan) -> list[str]:
+    lay = plan.layout
+    return ["--micro-batch-size", str(lay.mbs), "--global-batch-size", str(lay.gbs),
+            "--train-iters", str(plan.train_iters)]
+
+
+MEGATRON_FSDP = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor")
+"""Megatron-FSDP v1 needs the distributed optimizer and the fsdp_dtensor checkpoint format (validate_args)."""
+
+
+def megatron_groups(plan: ExportPlan) -> list[ArgGroup]:
+    """The plan-derived argument groups (everything the plan decides)."""
+    groups = [
+        ArgGroup("MODEL_ARGS", "model geometry (plan: model)", tuple(model_args(plan))),
+        ArgGroup("MOE_ARGS", "routed/shared experts (plan: model)", tuple(moe_args(plan))),
+        ArgGroup("PARALLEL_ARGS", "parallel layout (plan: layout); dp = world / (tp*cp*pp) is derived",
+                 tuple(parallel_args(plan, MEGATRON_FSDP))),
+        ArgGroup("RECOMPUTE_ARGS", f"activation recompute: {plan.layout.recompute}", tuple(recompute_args(plan))),
+        ArgGroup("PRECISION_ARGS", f"precision: {plan.layout.precision}", tuple(precision_args(plan))),
+        ArgGroup("BATCH_ARGS", f"batch and length: train-iters = ceil(tokens / (gbs * seq_len)) = "
+                 f"ceil({plan.tokens:.6g} / ({plan.layout.gbs} * {plan.model.seq_len}))", tuple(batch_args(plan))),
+    ]
+    return [g for g in groups if g.args]
+
+
+def megatron_argv(plan: ExportPlan) -> list[str]:
+    """Flat list of the plan-derived `pretrain_gpt.py` arguments."""
+    return [word for group in megatron_groups(plan) for word in group.args]
+
+
+def launch_script(plan: ExportPlan, *, title: str, matched: tuple[str, ...], groups: list[ArgGroup],
+                   env_lines: list[str], fixed_groups: str, entry: str, per_node_var: str,
+                   gpus_per_node: Optional[int]) -> str:
+    shape = node_shape(plan, gpus_per_node)
+    parts = ["#!/usr/bin/env bash\n", header(plan, title, matched),
+             f"# Devices per node: {shape.per_node} ({shape.note}); nodes: {shape.nodes}.\n",
+             "# Run it on every node (NODE_RANK 0..NNODES-1), or under Slurm with one task per node.\n",
+             "set -euo pipefail\n\n",
+             "# Launch settings: the environment overrides these defaults.\n"]
+    parts += [line + "\n" for line in env_lines]
+    parts.append(
+        f'NNODES=${{NNODES:-${{SLURM_NNODES:-{shape.nodes}}}}}\n'
+        'NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}\n'
+        'MASTER_ADDR=${MASTER_ADDR:-localhost}\n'
+        'MASTER_PORT=${MASTER_PORT:-29500}\n'
+        'CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints}\n'
+        '# Optimizer settings are not part of the plan (AdamW as in the bundled trainer; set your own).\n'
+        'LR=${LR:-3.0e-4}\n'
+        'MIN_LR=${MIN_LR:-3.0e-5}\n'
+        f'if (( NNODES * {per_node_var} != {plan.devices} )); then\n'
+        f'    echo "error: the plan needs {plan.devices} devices; NNODES*{per_node_var}=$((NNODES * {per_node_var}))" >&2\n'
+        '    exit 2\n'
+        'fi\n\n'
+    )
+    parts.append(bash_array("DISTRIBUTED_ARGS", [
+        "--nproc_per_node", f"${{{per_node_var}}}", "--nnodes", "${NNODES}", "--node_rank", "${NODE_RANK}",
+        "--master_addr", "${MASTER_ADDR}", "--master_port", "${MASTER_PORT}"], "torchrun"))
+    for group in groups:
+        parts.append(bash_array(group.name, list(group.args), group.comment))
+    parts.append(bash_array("OPTIMIZER_ARGS", [
+        "--lr", "${LR}", "--min-lr", "${MIN_LR}", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+        "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0"], "not from the plan"))
+    parts.append(fixed_groups)
+    names = ["DISTRIBUTED_ARGS"]  # torchrun's own, before the script
+    args_names = [g.name for g in groups] + ["OPTIMIZER_ARGS", "DATA_ARGS", "CHECKPOINT_ARGS"]
+    launch = f'exec torchrun "${{{names[0]}[@]}}" {entry} \\\n'
+    launch += " \\\n".join(f'    "${{{name}[@]}}"' for name in args_names) + ' \\\n    "$@"\n'
+    parts.append("\n" + launch)
+    return "".join(parts)
+
+
+def cuda_connections_line(plan: ExportPlan) -> str:
+    """Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tp/cp > 1 (Hopper), and != 1 with FSDP."""
+    if plan.layout.dp_flavor == "fsdp":
+        return "unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron-FSDP requires it unset or > 1"
+    return "export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron requires 1 with tp or cp > 1 (before Blackwell)"
+
+
+def render_megatron(plan: ExportPlan, gpus_per_node: Optional[int] = None) -> str:
+    """A bash launch script for Megatron-LM's pretrain_gpt.py with the plan's arguments."""
+    shape = node_shape(plan, gpus_per_node)
+    env = [
+        "MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$PWD}  # a Megatron-LM checkout (holds pretrain_gpt.py)",
+        f"GPUS_PER_NODE=${{GPUS_PER_NODE:-{shape.per_node}}}",
+        "DATA_PATH=${DATA_PATH:-}  # Megatron indexed-dataset prefix; empty: --mock-data (smoke run)",
+        "TOKENIZER_MODEL=${TOKENIZER_MODEL:-}  # Hugging Face tokenizer (name or path) for DATA_PATH",
+        cuda_connections_line(plan),
+    ]
+    fixed = (
+        f'# data: the plan fixes the vocabulary (V = {plan.model.vocab_size}); the tokenizer must produce it\n'
+        'if [[ -n "${DATA_PATH}" ]]; then\n'
+        '    DATA_ARGS=(--data-path "${DATA_PATH}" --tokenizer-type HuggingFaceTokenizer '
+        '--tokenizer-model "${TOKENIZER_MODEL}" --split 99,1,0)\n'
+        'else\n'
+        f'    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size {plan.model.vocab_size})\n'
+        'fi\n'
+    )
+    fixed += bash_array("CHECKPOINT_ARGS", [
+        "--save", "${CHECKPOINT_DIR}", "--load", "${CHECKPOINT_DIR}", "--save-interval", "1000",
+        "--log-interval", "10", "--eval-interval", "1000", "--eval-iters", "10"], "checkpoints and logging")
+    return launch_script(plan, title="Megatron-LM pretrain_gpt.py launch for a MOSAIC plan",
+                          matched=(MEGATRON_MATCHED,), groups=megatron_groups(plan), env_lines=env,
+                          fixed_groups=fixed, entry='"${MEGATRON_LM_DIR}/pretrain_gpt.py"',
+                          per_node_var="GPUS_PER_NODE", gpus_per_node=gpus_per_node)
+
+
+__all__ = ["ArgGroup", "MEGATRON_MATCHED", "launch_script", "megatron_argv", "megatron_groups", "moe_layer_pattern",
+           "render_megatron"]

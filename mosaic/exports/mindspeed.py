@@ -1,0 +1,146 @@
+"""MindSpeed-LLM (Ascend NPU) launch script for a plan: Megatron arguments plus MindSpeed's own.
+
+MindSpeed-LLM runs on Megatron-LM core_v0.12.1 (its install guide,
+docs/en/pytorch/training/install_guide.md: `git checkout core_v0.12.1`), so the
+Megatron option names here were checked against that tag's parser
+(NVIDIA/Megatron-LM a845aa7e12b3, `megatron/training/arguments.py`, built and
+listed as for megatron.py). MindSpeed's own options were checked against their
+definitions and documentation:
+  Ascend/MindSpeed commit 028de58ca629 (2026-07-21):
+    --use-fused-rmsnorm, --use-fused-swiglu   mindspeed/features_manager/megatron_basic/megatron_basic.py,
+                                              docs/zh/features/rms_norm.md, swiglu.md
+    --use-fused-rotary-pos-emb                mindspeed/features_manager/fusions/fused_rope.py,
+                                              docs/zh/features/rotary-embedding.md
+    --use-flash-attn                          (a Megatron option) docs/zh/features/flash-attention.md
+    --moe-alltoall-overlap-comm               mindspeed/features_manager/moe/moe_alltoall_overlap.py,
+                                              docs/zh/features/megatron_moe/megatron-moe-alltoall-overlap-comm.md
+                                              (needs --moe-token-dispatcher-type alltoall, --moe-grouped-gemm, ep > 1)
+  Ascend/MindSpeed-LLM commit c77308a14bfc (2026-08-21):
+    --first-k-dense-replace                   mindspeed_llm/features_manager/transformer/transformer_block.py
+                                              (dense first layers; MoE layers where layer >= k and
+                                              layer % --moe-layer-freq == 0, so --moe-layer-freq 1)
+    --tokenizer-type PretrainedFromHF, --tokenizer-name-or-path, --padded-vocab-size
+                                              mindspeed_llm/features_manager/tokenizer/build_tokenizer.py
+The launch layout (torchrun, --use-mcore-models, --transformer-impl local,
+--no-gradient-accumulation-fusion, --distributed-backend nccl, PYTORCH_NPU_ALLOC_CONF)
+follows MindSpeed-LLM's examples/mcore/qwen3_moe/pretrain_qwen3_30b_a3b_4K_ptd.sh.
+
+Refused (InputError): dp_flavor fsdp (MindSpeed-LLM's FSDP2 path is a different
+trainer configured by YAML) and fp8/mxfp8 precision.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from mosaic.exports.common import bash_array
+from mosaic.exports.megatron import (
+    ArgGroup,
+    batch_args,
+    launch_script,
+    model_args,
+    parallel_args,
+    precision_args,
+    recompute_args,
+)
+from mosaic.exports.plan import ExportPlan
+from perfmodel.errors import InputError
+
+MINDSPEED_MATCHED = (
+    "NVIDIA/Megatron-LM tag core_v0.12.1 (a845aa7e12b3), megatron/training/arguments.py (MindSpeed-LLM's Megatron)",
+    "Ascend/MindSpeed commit 028de58ca629 (2026-07-21) and Ascend/MindSpeed-LLM commit c77308a14bfc (2026-08-21)",
+)
+
+
+def _check_supported(plan: ExportPlan) -> None:
+    lay, m = plan.layout, plan.model
+    if lay.dp_flavor == "fsdp":
+        raise InputError(f"{plan.source}: key 'layout.dp_flavor': fsdp has no MindSpeed-LLM Megatron equivalent; "
+                         "plan with dp_flavor zero1 (distributed optimizer) or ddp for --format mindspeed")
+    if lay.precision in ("fp8", "mxfp8"):
+        raise InputError(f"{plan.source}: key 'layout.precision': {lay.precision} is not exported for MindSpeed-LLM "
+                         "(Ascend 910B/910C train in bf16); plan with precision bf16")
+    if m.n_experts > 0 and m.n_dense_layers > 0 and lay.pp > 1 and m.n_dense_layers >= m.n_layers // lay.pp:
+        raise InputError(f"{plan.source}: key 'model.n_dense_layers': MindSpeed-LLM refuses a pipeline stage made only "
+                         f"of dense layers ({m.n_dense_layers} >= n_layers/pp = {m.n_layers // lay.pp}); lower pp")
+
+
+def mindspeed_moe_args(plan: ExportPlan) -> list[str]:
+    m = plan.model
+    if m.n_experts == 0:
+        return []
+    args = ["--num-experts", str(m.n_experts), "--moe-router-topk", str(m.top_k),
+            "--moe-ffn-hidden-size", str(m.d_expert)]
+    if m.n_shared_experts > 0:
+        args += ["--moe-shared-expert-intermediate-size", str(m.n_shared_experts * m.d_expert)]
+    if m.n_dense_layers > 0:
+        args += ["--first-k-dense-replace", str(m.n_dense_layers), "--moe-layer-freq", "1"]
+    args += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"]
+    if plan.layout.ep > 1:
+        args.append("--moe-alltoall-overlap-comm")
+    return args
+
+
+def mindspeed_fused_args(plan: ExportPlan) -> list[str]:
+    args = ["--use-mcore-models", "--transformer-impl", "local", "--use-flash-attn", "--use-fused-rmsnorm",
+            "--use-fused-rotary-pos-emb"]
+    if plan.model.gated_ffn:
+        args.append("--use-fused-swiglu")
+    args += ["--no-gradient-accumulation-fusion", "--distributed-backend", "nccl"]
+    return args
+
+
+def mindspeed_groups(plan: ExportPlan) -> list[ArgGroup]:
+    """Plan-derived groups for MindSpeed-LLM's pretrain_gpt.py."""
+    _check_supported(plan)
+    groups = [
+        ArgGroup("MODEL_ARGS", "model geometry (plan: model)", tuple(model_args(plan))),
+        ArgGroup("MOE_ARGS", "routed/shared experts (plan: model)", tuple(mindspeed_moe_args(plan))),
+        ArgGroup("PARALLEL_ARGS", "parallel layout (plan: layout); dp = world / (tp*cp*pp) is derived",
+                 tuple(parallel_args(plan, ()))),
+        ArgGroup("RECOMPUTE_ARGS", f"activation recompute: {plan.layout.recompute}", tuple(recompute_args(plan))),
+        ArgGroup("PRECISION_ARGS", f"precision: {plan.layout.precision}", tuple(precision_args(plan))),
+        ArgGroup("BATCH_ARGS", f"batch and length: train-iters = ceil(tokens / (gbs * seq_len)) = "
+                 f"ceil({plan.tokens:.6g} / ({plan.layout.gbs} * {plan.model.seq_len}))", tuple(batch_args(plan))),
+        ArgGroup("MINDSPEED_ARGS", "MindSpeed fused kernels and launch options", tuple(mindspeed_fused_args(plan))),
+    ]
+    return [g for g in groups if g.args]
+
+
+def mindspeed_argv(plan: ExportPlan) -> list[str]:
+    return [word for group in mindspeed_groups(plan) for word in group.args]
+
+
+def render_mindspeed(plan: ExportPlan, gpus_per_node: Optional[int] = None) -> str:
+    """A bash launch script for MindSpeed-LLM's pretrain_gpt.py with the plan's arguments."""
+    from mosaic.exports.common import node_shape
+
+    groups = mindspeed_groups(plan)
+    shape = node_shape(plan, gpus_per_node)
+    env = [
+        "MINDSPEED_LLM_DIR=${MINDSPEED_LLM_DIR:-$PWD}  # a MindSpeed-LLM checkout with Megatron core_v0.12.1 copied in",
+        f"NPUS_PER_NODE=${{NPUS_PER_NODE:-{shape.per_node}}}",
+        "DATA_PATH=${DATA_PATH:-}  # preprocessed dataset prefix (MindSpeed-LLM preprocess_data.py)",
+        "TOKENIZER_PATH=${TOKENIZER_PATH:-}  # Hugging Face tokenizer folder",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True",
+    ]
+    fixed = (
+        ': "${DATA_PATH:?set DATA_PATH to the preprocessed dataset prefix}"\n'
+        ': "${TOKENIZER_PATH:?set TOKENIZER_PATH to the tokenizer folder}"\n'
+        f'# data: the plan fixes the vocabulary (V = {plan.model.vocab_size})\n'
+    )
+    fixed += bash_array("DATA_ARGS", [
+        "--data-path", "${DATA_PATH}", "--split", "100,0,0", "--tokenizer-type", "PretrainedFromHF",
+        "--tokenizer-name-or-path", "${TOKENIZER_PATH}", "--make-vocab-size-divisible-by", "1",
+        "--padded-vocab-size", str(plan.model.vocab_size)])
+    fixed += bash_array("CHECKPOINT_ARGS", [
+        "--save", "${CHECKPOINT_DIR}", "--save-interval", "1000", "--log-interval", "10",
+        "--eval-interval", "1000", "--eval-iters", "0"], "checkpoints and logging")
+    return launch_script(plan, title="MindSpeed-LLM pretrain_gpt.py launch (Ascend NPU) for a MOSAIC plan",
+                          matched=MINDSPEED_MATCHED, groups=groups, env_lines=env, fixed_groups=fixed,
+                          entry='"${MINDSPEED_LLM_DIR}/pretrain_gpt.py"', per_node_var="NPUS_PER_NODE",
+                          gpus_per_node=gpus_per_node)
+
+
+__all__ = ["MINDSPEED_MATCHED", "mindspeed_argv", "mindspeed_groups", "render_mindspeed"]

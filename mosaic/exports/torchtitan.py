@@ -1,0 +1,235 @@
+"""torchtitan job TOML for a plan (torchtitan v0.2.2, the last release configured by TOML).
+
+Matched against pytorch/torchtitan tag v0.2.2 (commit 73a0e6979dd1, 2026-02-20):
+`torchtitan/config/job_config.py` (the JobConfig dataclasses: every section.key
+written here is one of its fields; the list is stored with provenance in
+tests/exports/upstream_options.py), `torchtitan/distributed/parallel_dims.py`
+(ep folds into dp_shard*cp*tp; etp must be 1 or tp), `torchtitan/distributed/
+pipeline_parallel.py` (layers per virtual stage, microbatches = local_batch_size /
+pipeline_parallel_microbatch_size), `torchtitan/train.py` (gradient accumulation
+= global_batch_size / (local_batch_size * dp)), the model converters registered in
+`torchtitan/components/quantization/{float8,mx}.py`, and the Qwen3 model
+(`torchtitan/models/qwen3`: GQA with head_dim, RMSNorm, RoPE, SwiGLU, MoE with
+shared experts of width moe_inter_dim * num_shared_experts). torchtitan main after
+v0.2.2 configures runs in Python (`--module/--config`); its frozen
+`--section.option` flags keep the same names as these TOML keys.
+
+torchtitan takes the model geometry from a registered flavor, not from the TOML,
+so the file's header carries the `Qwen3ModelArgs(...)` entry to register under
+the flavor name the TOML uses. Where torchtitan's Qwen3 cannot express the plan
+(dense first layers, a non-gated MLP, tp without sequence parallel), the header
+says so in a WARNING line and `mosaic export` repeats it on stderr.
+
+Layout mapping:
+  fsdp    data_parallel_shard_degree = dp
+  zero1   data_parallel_shard_degree = dp, fsdp_reshard_after_forward = "never" (parameters stay
+          gathered from forward to backward; gradients and optimizer states sharded: ZeRO-2-like,
+          the nearest FSDP2 policy to Megatron's distributed optimizer)
+  ddp     data_parallel_replicate_degree = dp; with ep > 1 torchtitan needs FSDP on the expert
+          ranks, so the smallest shard degree that holds ep is used (HSDP) and the header says so
+  recompute selective -> mode "selective" with selective_ac_option "op" (per-op policy: matmul
+          outputs saved, cheap ops recomputed; Megatron's selective recomputes the attention core)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Optional
+
+import yaml
+
+from mosaic.exports.common import header
+from mosaic.exports.plan import ExportPlan
+from perfmodel.errors import InputError
+from perfmodel.specs.strict import to_mapping
+
+TORCHTITAN_MATCHED = "pytorch/torchtitan tag v0.2.2 (73a0e6979dd1, 2026-02-20), torchtitan/config/job_config.py"
+ROPE_THETA = 10000.0  # the bundled trainer's RoPE base (mosaic/trainer/model.py)
+
+
+def flavor_name(plan: ExportPlan) -> str:
+    """Stable flavor name from the model geometry."""
+    text = yaml.safe_dump(to_mapping(plan.model), sort_keys=True)
+    return "mosaic_" + hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def qwen3_model_args(plan: ExportPlan) -> dict[str, Any]:
+    """Keyword arguments of torchtitan's Qwen3ModelArgs for the plan's model (MoEArgs as a dict)."""
+    m = plan.model
+    args: dict[str, Any] = {
+        "vocab_size": m.vocab_size, "max_seq_len": m.seq_len, "dim": m.d_model, "n_layers": m.n_layers,
+        "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim,
+        "hidden_dim": m.d_ff_dense if m.d_ff_dense > 0 else m.d_expert,
+        "qk_norm": False, "rope_theta": ROPE_THETA, "enable_weight_tying": m.tie_embeddings,
+        "moe_enabled": m.n_experts > 0,
+    }
+    if m.n_experts > 0:
+        args["moe_inter_dim"] = m.d_expert
+        args["moe_args"] = {"num_experts": m.n_experts, "num_shared_experts": m.n_shared_experts,
+                            "top_k": m.top_k, "score_func": "softmax", "route_norm": True}
+    return args
+
+
+def model_differences(plan: ExportPlan) -> list[str]:
+    """What torchtitan's Qwen3 builds differently from the plan's model."""
+    m, lay = plan.model, plan.layout
+    notes = []
+    if m.n_experts > 0 and m.n_dense_layers > 0:
+        notes.append(f"torchtitan's Qwen3 has no dense first layers: its first {m.n_dense_layers} layer(s) "
+                     "are MoE layers too")
+    if not m.gated_ffn:
+        notes.append("torchtitan's FFN is SwiGLU; the plan's model uses a plain (GeLU) MLP")
+    if lay.tp > 1 and not lay.sequence_parallel:
+        notes.append("torchtitan's tensor parallel always shards norms over the sequence (sequence parallel)")
+    return notes
+
+
+FLAVOR = "plan"
+"""Flavor name inside the registered train spec (the spec itself is named by `flavor_name`)."""
+
+
+def _python_call(name: str, kwargs: dict[str, Any], indent: str = "    ") -> list[str]:
+    lines = [f"{name}("]
+    for key, value in kwargs.items():
+        if isinstance(value, dict):
+            inner = ", ".join(f"{k}={v!r}" for k, v in value.items())
+            lines.append(f"{indent}{key}=MoEArgs({inner}),")
+        else:
+            lines.append(f"{indent}{key}={value!r},")
+    lines.append(")")
+    return lines
+
+
+def flavor_module(plan: ExportPlan) -> str:
+    """Python module registering a train spec for the plan's model (for [experimental] custom_import).
+
+    torchtitan v0.2.2 takes geometry from registered model args; its qwen3 train spec has no
+    pipelining function (pipelining_fn=None) although the Qwen3 model passes through missing
+    stages, so the spec registered here adds torchtitan's `pipeline_llm`.
+    """
+    call = _python_call("Qwen3ModelArgs", qwen3_model_args(plan), indent="        ")
+    lines = [
+        "import dataclasses",
+        "",
+        "from torchtitan.distributed.pipeline_parallel import pipeline_llm",
+        "from torchtitan.models.moe import MoEArgs",
+        "from torchtitan.models.qwen3 import Qwen3ModelArgs, get_train_spec",
+        "from torchtitan.protocols.train_spec import register_train_spec",
+        "",
+        "register_train_spec(",
+        f"    {flavor_name(plan)!r},",
+        "    dataclasses.replace(",
+        "        get_train_spec(),",
+        "        pipelining_fn=pipeline_llm,",
+        f"        model_args={{{FLAVOR!r}: " + call[0],
+        *[f"    {line}" for line in call[1:-1]],
+        "        )},",
+        "    ),",
+        ")",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parallel_degrees(plan: ExportPlan) -> dict[str, Any]:
+    """The [parallelism] table (without pipeline keys)."""
+    lay = plan.layout
+    dp = int(lay.dp)
+    if lay.ep > 1 and lay.etp not in (1, lay.tp):
+        raise InputError(f"{plan.source}: key 'layout.etp': torchtitan supports etp = 1 or etp = tp "
+                         f"(tp={lay.tp}), got {lay.etp}; use etp=1 or etp=tp for --format torchtitan")
+    replicate, shard = 1, dp
+    if lay.dp_flavor == "ddp":
+        shard = next(k for k in range(1, dp + 1)
+                     if dp % k == 0 and (k * lay.cp * lay.tp) % (lay.etp * lay.ep) == 0)
+        replicate = dp // shard
+    table: dict[str, Any] = {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard}
+    if lay.dp_flavor == "zero1":
+        table["fsdp_reshard_after_forward"] = "never"
+    table.update({"tensor_parallel_degree": lay.tp, "context_parallel_degree": lay.cp,
+                  "expert_parallel_degree": lay.ep, "expert_tensor_parallel_degree": lay.etp if lay.ep > 1 else 1})
+    return table
+
+
+def job_tables(plan: ExportPlan) -> dict[str, dict[str, Any]]:
+    """The TOML as nested tables (section -> key -> value)."""
+    lay, m = plan.layout, plan.model
+    if lay.precision == "fp16":
+        raise InputError(f"{plan.source}: key 'layout.precision': torchtitan trains in bfloat16 or float32 "
+                         "(training.mixed_precision_param), not fp16; plan with bf16")
+    dp = int(lay.dp)
+    tables: dict[str, dict[str, Any]] = {
+        "job": {"dump_folder": "./outputs", "description": f"MOSAIC plan {plan.source}"},
+        "model": {"name": flavor_name(plan), "flavor": FLAVOR},
+        "training": {},
+        "parallelism": parallel_degrees(plan),
+        "activation_checkpoint": {},
+        "experimental": {"custom_import": flavor_name(plan)},
+    }
+    training = tables["training"]
+    if lay.pp > 1:
+        training["local_batch_size"] = int(lay.gbs) // dp  # all m micro-batches go through the pipeline
+    else:
+        training["local_batch_size"] = lay.mbs  # torchtitan accumulates gbs / (mbs * dp) steps
+    training.update({"global_batch_size": int(lay.gbs), "seq_len": m.seq_len, "steps": plan.train_iters,
+                     "mixed_precision_param": "float32" if lay.precision == "fp32" else "bfloat16",
+                     "dataset": "c4"})
+    if lay.pp > 1:
+        tables["parallelism"].update({
+            "pipeline_parallel_degree": lay.pp,
+            "pipeline_parallel_schedule": "Interleaved1F1B" if lay.vpp > 1 else "1F1B",
+            "pipeline_parallel_layers_per_stage": m.n_layers // (lay.pp * lay.vpp),
+            "pipeline_parallel_first_stage_less_layers": 0,  # layers split evenly, as the performance model does
+            "pipeline_parallel_last_stage_less_layers": 0,
+            "pipeline_parallel_microbatch_size": lay.mbs,
+        })
+    checkpoint = tables["activation_checkpoint"]
+    checkpoint["mode"] = lay.recompute
+    if lay.recompute == "selective":
+        checkpoint["selective_ac_option"] = "op"
+    if lay.precision in ("fp8", "mxfp8"):
+        kind = "float8" if lay.precision == "fp8" else "mx"
+        converters = [f"quantize.linear.{kind}"]
+        tables[f"quantize.linear.{kind}"] = {"filter_fqns": ["output", "router.gate"]}
+        if lay.precision == "fp8":
+            tables["quantize.linear.float8"]["recipe_name"] = "tensorwise"
+        if m.n_experts > 0:
+            converters.append(f"quantize.grouped_mm.{kind}")
+            tables[f"quantize.grouped_mm.{kind}"] = {"fqns": ["experts"]}
+        tables["model"]["converters"] = converters
+    return tables
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise AssertionError(f"no TOML form for {value!r}")
+
+
+def render_torchtitan(plan: ExportPlan, gpus_per_node: Optional[int] = None) -> str:
+    """The job TOML, with the flavor registration and any model differences in the header."""
+    tables = job_tables(plan)
+    lines = [header(plan, "torchtitan job config for a MOSAIC plan (run: ./run_train.sh "
+                          "--job.config_file THIS.toml)", (TORCHTITAN_MATCHED,)).rstrip("\n")]
+    for note in model_differences(plan):
+        lines.append(f"# WARNING: {note}.")
+    module = flavor_name(plan)
+    lines.append(f"# torchtitan builds the model from a registered train spec: save the lines below (without '# ') "
+                 f"as {module}.py on PYTHONPATH; [experimental] custom_import loads it.")
+    lines += [f"#   {line}".rstrip() for line in flavor_module(plan).splitlines()]
+    lines.append(f"# Global batch {plan.layout.gbs} sequences = dp {plan.layout.dp} x {plan.micro_batches} "
+                 f"micro-batches x {plan.layout.mbs}; steps = ceil(tokens / (gbs * seq_len)).")
+    for section, table in tables.items():
+        lines += ["", f"[{section}]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["TORCHTITAN_MATCHED", "FLAVOR", "flavor_module", "flavor_name", "job_tables", "model_differences",
+           "parallel_degrees", "qwen3_model_args", "render_torchtitan"]
