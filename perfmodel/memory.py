@@ -17,9 +17,11 @@ Sources
     dense FFN  norm input h·r + up input h·r + gate/up (1|2)·d/t + activation d/t
     MoE        norm + router input 2h·r + fp32 router probabilities 4E/t
                + dispatched tokens, expert hidden and outputs on the busiest rank
-               (M_exp rows: h + (1|2)·d_e/etp + d_e/etp + h) + shared experts as an MLP
+               (M_exp rows: h + (1|2)·d_e/etp + d_e/etp + h) + shared experts as an
+               MLP reading the router's input
   For a non-gated MHA 4h MLP this is 32·h bytes (their 34·s·b·h minus two
-  dropout masks). Selective recompute (Megatron-Core's default module,
+  dropout masks). Under fp8 the tensors kept only as GEMM inputs are the
+  1-byte fp8 copies Transformer Engine saves (`layer_activation_bytes`). Selective recompute (Megatron-Core's default module,
   core_attn) drops the attention output and log-sum-exp (recomputed in the
   backward pass); full recompute keeps only each layer's input plus one
   layer's working set.
@@ -41,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from perfmodel.operators import (
+    FP8,
     FP32,
     FP32_GRAD_BYTES,
     FSDP,
@@ -49,6 +52,7 @@ from perfmodel.operators import (
     ZERO1,
     activation_bytes,
     dp_flavor_code,
+    gemm_operand_bytes,
     precision_code,
     recompute_code,
     shapes,
@@ -100,22 +104,32 @@ def optimizer_bytes_per_param(lay: Any) -> Any:
 
 
 def layer_activation_bytes(arch: Any, lay: Any) -> dict[str, Any]:
-    """Stored activation bytes of one layer's blocks for one micro-batch (recompute none/selective)."""
+    """Stored activation bytes of one layer's blocks for one micro-batch (recompute none/selective).
+
+    b = activation bytes, g = GEMM-input bytes: under fp8/mxfp8 Transformer Engine saves the
+    fp8-cast input of each fp8 GEMM for its weight gradient (1 B), so tensors kept only as
+    GEMM inputs cost g; tensors other kernels need (norm inputs, Q/K/V, activation-function
+    inputs, expert outputs) stay at b. The attention output is kept at b for the flash
+    backward, plus a g copy for the output projection under fp8.
+    """
     sh = shapes(arch, lay)
     b = activation_bytes(lay)
+    g = gemm_operand_bytes(lay)
+    fp8 = precision_code(lay) >= FP8
     T, T_sp, T_moe, M = sh["T"], sh["T_sp"], sh["T_moe"], sh["M_exp"]
     h, h_q, h_kv, tp, etp = sh["h"], sh["h_q"], sh["h_kv"], sh["tp"], sh["etp"]
     up = np.where(sh["gated"], 2.0, 1.0)
     selective = recompute_code(lay) == SELECTIVE
-    attention = (2.0 * b * T_sp * h + b * T * (h_q + 2.0 * h_kv) / tp
-                 + np.where(selective, 0.0, b * T * h_q / tp + 4.0 * T * sh["heads"] / tp))
+    output_bytes = b + np.where(fp8, g, 0.0)
+    attention = ((b + g) * T_sp * h + b * T * (h_q + 2.0 * h_kv) / tp
+                 + np.where(selective, 0.0, output_bytes * T * h_q / tp + 4.0 * T * sh["heads"] / tp))
     d_ff = np.asarray(arch.d_ff_dense, dtype=float)
-    dense = 2.0 * b * T_sp * h + b * T * (up + 1.0) * d_ff / tp
+    dense = (b + g) * T_sp * h + (b * up + g) * T * d_ff / tp
     d_loc = np.asarray(arch.d_expert, dtype=float) / etp
     shared = np.asarray(arch.n_shared_experts, dtype=float) * np.asarray(arch.d_expert, dtype=float)
     moe = (2.0 * b * T_sp * h + 4.0 * T_moe * np.asarray(arch.n_experts, dtype=float)
-           + b * M * (2.0 * h + (up + 1.0) * d_loc)
-           + np.where(shared > 0, b * T_sp * h + b * T * (up + 1.0) * shared / tp, 0.0))
+           + M * ((g + b) * h + (b * up + g) * d_loc)
+           + np.where(shared > 0, np.where(fp8, g * T_sp * h, 0.0) + (b * up + g) * T * shared / tp, 0.0))
     return {"attention": attention, "dense_ffn": dense, "moe": moe, "layer_input": b * T_sp * h}
 
 

@@ -253,6 +253,12 @@ def test_activations_follow_korthikanti_without_dropout():
         result = evaluate(arch, parse_layout(f"mbs=2,gbs=2,recompute={recompute}", devices=1), H100)
         tokens = 2 * arch.seq_len
         assert result.memory_breakdown["activations"][0] == pytest.approx(arch.n_layers * tokens * expected_per_layer)
+    # fp8: tensors kept only as GEMM inputs are Transformer Engine's 1-byte copies:
+    # norm inputs 2+2, QKV input 1, Q/K/V 6, attention output 2 (flash) + 1 (fp8 copy),
+    # MLP input 1, GeLU input 8, GeLU output (down-projection input) 4 -> 27·h + 4·a
+    fp8 = evaluate(arch, parse_layout("mbs=2,gbs=2,precision=fp8", devices=1), H100)
+    assert fp8.memory_breakdown["activations"][0] == pytest.approx(
+        arch.n_layers * 2 * arch.seq_len * (27 * arch.d_model + 4 * arch.n_heads))
     # tensor parallel with sequence parallel divides everything by t
     sp = evaluate(arch, parse_layout("tp=4,sp=true,mbs=2,gbs=2", devices=4), H100)
     assert sp.memory_breakdown["activations"][0] == pytest.approx(
