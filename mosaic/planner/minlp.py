@@ -15,6 +15,10 @@ be the unique optimum and are dropped before the model is built.
   objective   loss = sum_p x[p] K_g(p) + b / D^beta   (the fit split by law.tokens_term:
               K_g = law(N_tot, S, ., G) without its D term, checked against predict)
 
+Presolve (`solve_cluster_optimal`): geometries whose loss bound (MFU at most its
+cap, see enumerate) cannot beat an incumbent are dropped, as any MINLP presolve
+would; the agreement tests build the model on the whole reduced space instead.
+
 The compute-optimal problem is the same model over geometries with
 D <= C_model / F_g and no memory row. Solvers: `scip` (Pyomo writes the .nl
 file, pyscipopt reads and solves it), `bonmin` (AMPL executable on PATH, e.g.
@@ -329,15 +333,18 @@ def compute_model(problem: Problem, geometries: Optional[np.ndarray] = None) -> 
 
 def solve_cluster_optimal(problem: Problem, solver: str, top: int = 10,
                           progress: Optional[Callable[[int], None]] = None,
-                          geometries: Optional[np.ndarray] = None) -> tuple[Ranked, dict[str, Any]]:
+                          geometries: Optional[np.ndarray] = None, presolve: bool = True) -> tuple[Ranked, dict[str, Any]]:
     """MINLP optimum first, then the other geometries of the same data ranked by loss."""
     ok, why = solver_available(solver)
     if not ok:
         raise SolverError(f"--solver {solver}: {why}; or use --solver enumerate")
+    report: dict[str, Any] = {}
+    if geometries is None and presolve:
+        geometries, report = presolve_geometries(problem)
     table = pair_table(problem, geometries, progress)
     hbm = problem.cluster.accelerator.usable_hbm_bytes
     fits = table.memory_bytes <= hbm
-    report: dict[str, Any] = {"candidates": int(len(table)), "pairs_in_model": int(len(table))}
+    report.update({"candidates": int(len(table)), "pairs_in_model": int(len(table))})
     if not np.any(fits):  # every pair above HBM: loss inf, memories kept for the error message
         ranked = _ranked_from_table(problem, table, None)
         ranked.loss[:] = np.inf
@@ -346,6 +353,26 @@ def solve_cluster_optimal(problem: Problem, solver: str, top: int = 10,
     sol = solve_model(model, solver)
     report.update({"status": sol.status, "gap": sol.gap, "solver_seconds": sol.seconds, "objective": sol.objective})
     return _ranked_from_table(problem, table.take(np.flatnonzero(fits)), table.take(np.asarray([sol.choice]))), report
+
+
+def presolve_geometries(problem: Problem, incumbent_geometries: int = 64) -> tuple[np.ndarray, dict[str, Any]]:
+    """Drop geometries that cannot beat an incumbent (exact, as in any MINLP presolve).
+
+    The incumbent U is the best loss among the `incumbent_geometries` geometries with the
+    smallest loss bound (enumerate.Problem.loss_lower_bound: MFU at most its cap); a geometry
+    whose bound is >= U cannot be optimal. Without a feasible incumbent nothing is dropped."""
+    lb = problem.loss_lower_bound()
+    order = np.argsort(lb, kind="stable")
+    first = order[:incumbent_geometries]
+    res = problem.evaluate(first)
+    loss = lawmod.loss(problem.law, problem.geoms.archs.take(res.index), problem.tokens_in_budget(res.tokens_per_s))
+    finite = loss[np.isfinite(loss)]
+    if len(finite) == 0:
+        return np.arange(len(problem.geoms)), {"presolve": "no incumbent; all geometries kept"}
+    incumbent = float(finite.min())
+    keep = np.flatnonzero(lb < incumbent)
+    keep = np.union1d(keep, first[np.isfinite(loss)])
+    return keep, {"presolve_kept_geometries": int(len(keep)), "presolve_incumbent_loss": incumbent}
 
 
 def _ranked_from_table(problem: Problem, table: PairTable, first: Optional[PairTable]) -> Ranked:
