@@ -7,7 +7,8 @@ configuration is a batch of one). For each candidate:
    device; time of an op and phase = max(FLOPs / (peak * eff_compute(kernel
    FLOPs)), bytes / (HBM bandwidth * eff_memory(bytes per kernel))), with the
    efficiency curves of the cluster file per precision (GEMMs at the layout's
-   precision, the flash-attention core at bf16).
+   precision, the flash-attention core at bf16), read at the op's forward size
+   for all three phases.
 2. Collectives (`perfmodel.comm`) priced on the fabric levels their groups
    span. Each phase's communication hides behind that phase's overlappable
    compute (GEMMs, attention), at most the cluster's `overlap` fraction of it,
@@ -277,7 +278,6 @@ class _Hardware:
         self.attn_present = np.flatnonzero(np.bincount(attn_code, minlength=len(PRECISIONS)))
         self.bw = acc.hbm_bandwidth_bytes_per_s
         self.mem_curve = _Curve(acc.memory_efficiency)
-        self.min_mem_eff = min(acc.memory_efficiency.values)
         self._mem_cache: dict[Any, Any] = {}
 
     def _eff(self, codes: np.ndarray, present: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -290,26 +290,26 @@ class _Hardware:
             out[mask] = self.curves[c](size[mask])
         return out
 
-    def compute_time(self, kind: str, flops: Any, kernel_flops: Any) -> Any:
+    def compute_rate(self, kind: str, kernel_flops: Any) -> Any:
+        """Achieved FLOP/s: peak x eff_compute(FLOPs of one kernel call)."""
         if kind == "attention":
-            return flops / (self.attn_peak * self._eff(self.attn_code, self.attn_present, kernel_flops))
-        return flops / (self.gemm_peak * self._eff(self.gemm_code, self.gemm_present, kernel_flops))
+            return self.attn_peak * self._eff(self.attn_code, self.attn_present, kernel_flops)
+        return self.gemm_peak * self._eff(self.gemm_code, self.gemm_present, kernel_flops)
 
-    def memory_time(self, nbytes: Any, kernels: Any) -> Any:
-        """bytes / (HBM bandwidth * eff_memory(bytes per kernel)); repeated operands
-        (the same array object, e.g. every norm's bytes) are priced once."""
+    def memory_efficiency(self, nbytes: Any, kernels: Any) -> Any:
+        """eff_memory(bytes per kernel); repeated operands (the same array object, e.g.
+        every norm's bytes) are looked up once."""
         key = (id(nbytes), kernels if np.ndim(kernels) == 0 else id(kernels))
         hit = self._mem_cache.get(key)
         if hit is not None and hit[0] is nbytes:
             return hit[1]
-        per_kernel = nbytes / np.maximum(kernels, 1.0)
-        seconds = nbytes / (self.bw * self.mem_curve(per_kernel))
-        self._mem_cache[key] = (nbytes, seconds)
-        return seconds
+        eff = self.mem_curve(nbytes / np.maximum(kernels, 1.0))
+        self._mem_cache[key] = (nbytes, eff)
+        return eff
 
-    def memory_time_bound(self, nbytes: Any) -> Any:
-        """Upper bound of memory_time at the curve's lowest efficiency (no interpolation)."""
-        return nbytes / (self.bw * self.min_mem_eff)
+    def memory_time(self, nbytes: Any, kernels: Any) -> Any:
+        """bytes / (HBM bandwidth x eff_memory(bytes per kernel))."""
+        return nbytes / (self.bw * self.memory_efficiency(nbytes, kernels))
 
 
 class _Collectives:
@@ -326,41 +326,21 @@ class _Collectives:
         return collective_time(self.cluster, kind, size_bytes, None, None, coefficients=self._coef[key])
 
 
-def _max_with_memory(comp: Any, nbytes: Any, kernels: Any, hw: _Hardware) -> Any:
-    """max(compute, memory time), pricing memory only where it could win: rows that
-    are compute-bound even at the curve's lowest efficiency skip the lookup (exact)."""
-    maybe = comp < hw.memory_time_bound(nbytes)
-    if np.ndim(maybe) == 0:
-        return np.maximum(comp, hw.memory_time(nbytes, kernels)) if maybe else comp
-    idx = np.flatnonzero(maybe)
-    if idx.size == 0:
-        return comp
-    if idx.size * 2 > maybe.size:
-        return np.maximum(comp, hw.memory_time(nbytes, kernels))
-    out = np.array(comp, dtype=float, copy=True)
-    sub_bytes = np.broadcast_to(nbytes, maybe.shape)[idx]
-    per_kernel = sub_bytes / np.maximum(np.broadcast_to(kernels, maybe.shape)[idx], 1.0)
-    out[idx] = np.maximum(out[idx], sub_bytes / (hw.bw * hw.mem_curve(per_kernel)))
-    return out
-
-
 def op_times(op: Any, hw: _Hardware) -> tuple[Any, Any, Any]:
-    """Seconds of one op per phase (fwd, dgrad, wgrad): max(compute, memory)."""
+    """Seconds of one op per phase (fwd, dgrad, wgrad): max(FLOPs / (peak x eff_compute),
+    bytes / (HBM bw x eff_memory)). The efficiencies are looked up once, at the op's forward
+    size (FLOPs of one kernel call; bytes per kernel), and hold for all three phases: the
+    input- and weight-gradient kernels work on the same matrices."""
+    mem_rate = hw.bw * hw.memory_efficiency(op.bytes[0], op.kernels[0])
+    rate = None if op.kind == "memory" else hw.compute_rate(op.kind, op.kernel_flops[0])
     out = []
-    cached_size, cached_eff_time = None, None
     for j in range(3):
-        if np.ndim(op.bytes[j]) == 0 and op.bytes[j] == 0 and np.ndim(op.flops[j]) == 0 and op.flops[j] == 0:
+        nbytes, flops = op.bytes[j], op.flops[j]
+        if np.ndim(nbytes) == 0 and nbytes == 0 and np.ndim(flops) == 0 and flops == 0:
             out.append(0.0)  # nothing in this phase (e.g. no weight gradient)
             continue
-        if op.kind == "memory":
-            out.append(hw.memory_time(op.bytes[j], op.kernels[j]))
-            continue
-        if op.kernel_flops[j] is cached_size and cached_eff_time is not None and op.flops[j] is op.flops[0]:
-            comp = cached_eff_time  # dgrad/wgrad GEMMs have the forward's size: same efficiency
-        else:
-            comp = hw.compute_time(op.kind, op.flops[j], op.kernel_flops[j])
-            cached_size, cached_eff_time = op.kernel_flops[j], comp
-        out.append(_max_with_memory(comp, op.bytes[j], op.kernels[j], hw))
+        memory = nbytes / mem_rate
+        out.append(memory if rate is None else np.maximum(flops / rate, memory))
     return out[0], out[1], out[2]
 
 
@@ -574,7 +554,19 @@ def _shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: Any, device
     return {block: {k: (v[inverse] if np.ndim(v) else v) for k, v in t.items()} for block, t in sub.items()}
 
 
+_CODE_FIELDS = ("dp_flavor", "recompute", "precision", "sequence_parallel", "gated_ffn", "tie_embeddings")
+
+
+def _as_float(batch: Any) -> Any:
+    """The batch with its integer sizes as float64 once (the formulas work in floats;
+    categorical codes and flags keep their types)."""
+    values = {name: (value if name in _CODE_FIELDS else np.asarray(value, dtype=float))
+              for name, value in vars(batch).items()}
+    return type(batch)(**values)
+
+
 def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: Any, devices: np.ndarray) -> EvalResult:
+    arch, lay = _as_float(arch), _as_float(lay)
     hw = _Hardware(cluster, lay, devices)
     comm_cost = _Collectives(cluster, lay)
     tables = _shared_block_tables(arch, lay, cluster, devices, comm_cost, hw)

@@ -56,16 +56,20 @@ class _Device:
         eff = float(self.acc.memory_efficiency(nbytes / max(kernels, 1.0)))
         return nbytes / (self.acc.hbm_bandwidth_bytes_per_s * eff)
 
-    def op_seconds(self, kind: str, flops: float, kernel_flops: float, nbytes: float, kernels: float) -> float:
-        """max(FLOPs / (peak x eff(kernel FLOPs)), bytes / (bandwidth x eff(bytes per kernel)))."""
-        memory = self.memory_seconds(nbytes, kernels)
-        if kind == "memory" or flops <= 0:
-            return memory
-        if kind == "attention":
-            compute = flops / (self.attn_peak * float(self.attn_curve(kernel_flops)))
-        else:
-            compute = flops / (self.gemm_peak * float(self.gemm_curve(kernel_flops)))
-        return max(compute, memory)
+    def op_phase_seconds(self, op: dict[str, Any]) -> list[float]:
+        """Each phase: max(FLOPs / (peak x eff_compute), bytes / (bandwidth x eff_memory)),
+        both efficiencies read at the op's forward size (kernel FLOPs, bytes per kernel)."""
+        mem_eff = float(self.acc.memory_efficiency(op["bytes"][0] / max(op["kernels"][0], 1.0)))
+        bandwidth = self.acc.hbm_bandwidth_bytes_per_s * mem_eff
+        if op["kind"] == "attention":
+            rate = self.attn_peak * float(self.attn_curve(op["sizes"][0]))
+        elif op["kind"] != "memory":
+            rate = self.gemm_peak * float(self.gemm_curve(op["sizes"][0]))
+        seconds = []
+        for j in range(3):
+            memory = op["bytes"][j] / bandwidth
+            seconds.append(memory if op["kind"] == "memory" else max(op["flops"][j] / rate, memory))
+        return seconds
 
 
 def collective_seconds(cluster: Any, kind: str, nbytes: float, n: float, stride: float) -> float:
@@ -191,9 +195,9 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
                                   "bwd_attention", "bwd_expert_gemm", "fwd_overlap", "bwd_overlap",
                                   "fwd_kernels", "bwd_kernels", "core_fwd")}
         for op in ops:
-            sizes = op["sizes"] if "sizes" in op else (op["size"],) * 3
-            secs = [dev.op_seconds(op["kind"], op["flops"][j], sizes[j], op["bytes"][j], op["kernels"][j])
-                    for j in range(3)]
+            if "sizes" not in op:
+                op["sizes"] = (op["size"],) * 3
+            secs = dev.op_phase_seconds(op)
             cat = category[op["kind"]]
             t[f"fwd_{cat}"] += secs[0]
             t[f"bwd_{cat}"] += secs[1] + secs[2]
