@@ -25,8 +25,12 @@ The launch layout (torchrun, --use-mcore-models, --transformer-impl local,
 --no-gradient-accumulation-fusion, --distributed-backend nccl, PYTORCH_NPU_ALLOC_CONF)
 follows MindSpeed-LLM's examples/mcore/qwen3_moe/pretrain_qwen3_30b_a3b_4K_ptd.sh.
 
-Refused (InputError): dp_flavor fsdp (MindSpeed-LLM's FSDP2 path is a different
-trainer configured by YAML) and fp8/mxfp8 precision.
+dp_flavor fsdp uses Megatron core_v0.12.1's custom FSDP as MindSpeed documents it
+(docs/zh/features/custom_fsdp.md: --use-custom-fsdp --data-parallel-sharding-strategy
+optim_grads_params --no-gradient-accumulation-fusion --use-distributed-optimizer, with
+CUDA_DEVICE_MAX_CONNECTIONS unset), without --moe-alltoall-overlap-comm (MindSpeed's own
+custom-FSDP test, tests_extend/system_tests/feature_tests/custom_fsdp.sh, does not combine them).
+Refused (InputError): fp8/mxfp8 precision.
 """
 
 from __future__ import annotations
@@ -52,11 +56,13 @@ MINDSPEED_MATCHED = (
 )
 
 
+MINDSPEED_FSDP = ("--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                  "--use-distributed-optimizer")
+"""MindSpeed's documented custom-FSDP flags (--no-gradient-accumulation-fusion is always in MINDSPEED_ARGS)."""
+
+
 def _check_supported(plan: ExportPlan) -> None:
     lay, m = plan.layout, plan.model
-    if lay.dp_flavor == "fsdp":
-        raise InputError(f"{plan.source}: key 'layout.dp_flavor': fsdp has no MindSpeed-LLM Megatron equivalent; "
-                         "plan with dp_flavor zero1 (distributed optimizer) or ddp for --format mindspeed")
     if lay.precision in ("fp8", "mxfp8"):
         raise InputError(f"{plan.source}: key 'layout.precision': {lay.precision} is not exported for MindSpeed-LLM "
                          "(Ascend 910B/910C train in bf16); plan with precision bf16")
@@ -76,7 +82,7 @@ def mindspeed_moe_args(plan: ExportPlan) -> list[str]:
     if m.n_dense_layers > 0:
         args += ["--first-k-dense-replace", str(m.n_dense_layers), "--moe-layer-freq", "1"]
     args += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"]
-    if plan.layout.ep > 1:
+    if plan.layout.ep > 1 and plan.layout.dp_flavor != "fsdp":
         args.append("--moe-alltoall-overlap-comm")
     return args
 
@@ -97,7 +103,7 @@ def mindspeed_groups(plan: ExportPlan) -> list[ArgGroup]:
         ArgGroup("MODEL_ARGS", "model geometry (plan: model)", tuple(model_args(plan))),
         ArgGroup("MOE_ARGS", "routed/shared experts (plan: model)", tuple(mindspeed_moe_args(plan))),
         ArgGroup("PARALLEL_ARGS", "parallel layout (plan: layout); dp = world / (tp*cp*pp) is derived",
-                 tuple(parallel_args(plan, ()))),
+                 tuple(parallel_args(plan, MINDSPEED_FSDP))),
         ArgGroup("RECOMPUTE_ARGS", f"activation recompute: {plan.layout.recompute}", tuple(recompute_args(plan))),
         ArgGroup("PRECISION_ARGS", f"precision: {plan.layout.precision}", tuple(precision_args(plan))),
         ArgGroup("BATCH_ARGS", f"batch and length: train-iters = ceil(tokens / (gbs * seq_len)) = "
@@ -122,7 +128,8 @@ def render_mindspeed(plan: ExportPlan, gpus_per_node: Optional[int] = None) -> s
         f"NPUS_PER_NODE=${{NPUS_PER_NODE:-{shape.per_node}}}",
         "DATA_PATH=${DATA_PATH:-}  # preprocessed dataset prefix (MindSpeed-LLM preprocess_data.py)",
         "TOKENIZER_PATH=${TOKENIZER_PATH:-}  # Hugging Face tokenizer folder",
-        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+        ("unset CUDA_DEVICE_MAX_CONNECTIONS  # custom FSDP needs it unset (MindSpeed docs)"
+         if plan.layout.dp_flavor == "fsdp" else "export CUDA_DEVICE_MAX_CONNECTIONS=1"),
         "export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True",
     ]
     fixed = (

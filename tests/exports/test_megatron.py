@@ -189,8 +189,20 @@ def test_mindspeed_dense_first_layers_use_first_k_dense_replace():
     assert values["--moe-layer-freq"] == ["1"]
 
 
+def test_mindspeed_fsdp_uses_custom_fsdp_without_alltoall_overlap():
+    data = variant(**DEEPSEEK_LIKE)
+    data["layout"].update(precision="bf16")
+    plan = plan_from_dict(data)
+    values = parse(mindspeed_argv(plan), {**MEGATRON_CORE_0_12_1_OPTIONS, **MINDSPEED_OPTIONS},
+                   MINDSPEED_EXTRA_CHOICES)
+    assert "--use-custom-fsdp" in values and "--use-distributed-optimizer" in values
+    assert values["--data-parallel-sharding-strategy"] == ["optim_grads_params"]
+    assert "--no-gradient-accumulation-fusion" in values
+    assert "--moe-alltoall-overlap-comm" not in values
+    assert "unset CUDA_DEVICE_MAX_CONNECTIONS" in render(plan, "mindspeed")
+
+
 @pytest.mark.parametrize("layout,key", [
-    ({"dp_flavor": "fsdp"}, "layout.dp_flavor"),
     ({"precision": "fp8"}, "layout.precision"),
     ({"precision": "mxfp8"}, "layout.precision"),
 ])

@@ -113,6 +113,7 @@ MEGATRON_CORE_0_12_1_OPTIONS = {
     '--use-distributed-optimizer': (0, None),
     '--data-parallel-sharding-strategy': (1, ('no_shard', 'optim', 'optim_grads', 'optim_grads_params')),
     '--ckpt-format': (1, ('torch', 'torch_dist', 'zarr', 'torch_dcp')),
+    '--use-custom-fsdp': (0, None),
     '--num-experts': (1, None),
     '--moe-router-topk': (1, None),
     '--moe-ffn-hidden-size': (1, None),
