@@ -66,7 +66,7 @@ def _close(a, b):
     return a == b
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(valid_configs(), st.sampled_from(sorted(CLUSTERS)))
 def test_vectorised_equals_reference(config, cluster_name):
     arch, layout = config
@@ -77,7 +77,7 @@ def test_vectorised_equals_reference(config, cluster_name):
         assert _close(fast[key], value), (key, fast[key], value)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(valid_configs(), st.sampled_from(sorted(CLUSTERS)))
 def test_valid_configurations_give_finite_non_negative_numbers(config, cluster_name):
     arch, layout = config
@@ -98,7 +98,7 @@ def test_valid_configurations_give_finite_non_negative_numbers(config, cluster_n
     assert math.isclose(sum(result.breakdown[k][0] for k in STEP_COMPONENTS), result.step_time_s[0], rel_tol=1e-9)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(*[st.integers(1, 12)] * 7, st.integers(1, 64), st.integers(0, 2), st.integers(0, 2),
                           st.integers(0, 4), st.booleans()), min_size=1, max_size=20))
 def test_arbitrary_layouts_give_a_reason_never_an_exception(rows):
