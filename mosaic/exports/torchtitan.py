@@ -14,9 +14,11 @@ shared experts of width moe_inter_dim * num_shared_experts). torchtitan main aft
 v0.2.2 configures runs in Python (`--module/--config`); its frozen
 `--section.option` flags keep the same names as these TOML keys.
 
-torchtitan takes the model geometry from a registered flavor, not from the TOML,
-so the file's header carries the `Qwen3ModelArgs(...)` entry to register under
-the flavor name the TOML uses. Where torchtitan's Qwen3 cannot express the plan
+torchtitan takes the model geometry from a registered train spec, not from the
+TOML, so the file's header carries a small Python module that registers
+torchtitan's Qwen3 train spec with the plan's `Qwen3ModelArgs(...)` (and
+torchtitan's `pipeline_llm`, which v0.2.2's qwen3 spec lacks); the TOML names
+it in [model] and loads it through [experimental] custom_import. Where torchtitan's Qwen3 cannot express the plan
 (dense first layers, a non-gated MLP, tp without sequence parallel), the header
 says so in a WARNING line and `mosaic export` repeats it on stderr.
 
@@ -223,6 +225,11 @@ def render_torchtitan(plan: ExportPlan, gpus_per_node: Optional[int] = None) -> 
     lines.append(f"# torchtitan builds the model from a registered train spec: save the lines below (without '# ') "
                  f"as {module}.py on PYTHONPATH; [experimental] custom_import loads it.")
     lines += [f"#   {line}".rstrip() for line in flavor_module(plan).splitlines()]
+    par = tables["parallelism"]
+    if plan.layout.dp_flavor == "ddp" and par["data_parallel_shard_degree"] > 1:
+        lines.append(f"# NOTE: ddp with ep={plan.layout.ep}: torchtitan shards the expert ranks with FSDP, so dp "
+                     f"{plan.layout.dp} = {par['data_parallel_replicate_degree']} replicas x "
+                     f"{par['data_parallel_shard_degree']} shards (HSDP).")
     lines.append(f"# Global batch {plan.layout.gbs} sequences = dp {plan.layout.dp} x {plan.micro_batches} "
                  f"micro-batches x {plan.layout.mbs}; steps = ceil(tokens / (gbs * seq_len)).")
     for section, table in tables.items():

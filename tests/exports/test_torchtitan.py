@@ -149,8 +149,10 @@ def test_torchtitan_layouts_keep_the_invariants(layout):
 
 
 def test_torchtitan_ddp_uses_the_smallest_shard_that_holds_ep():
-    par = load(plan_from_dict(variant(layout={"dp_flavor": "ddp"})))["parallelism"]
+    plan = plan_from_dict(variant(layout={"dp_flavor": "ddp"}))
+    par = load(plan)["parallelism"]
     assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (2, 4)
+    assert "2 replicas x 4 shards (HSDP)" in render(plan, "torchtitan")
 
 
 def test_torchtitan_dense_model():
