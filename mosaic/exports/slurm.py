@@ -60,7 +60,9 @@ def render_slurm(plan: ExportPlan, gpus_per_node: Optional[int] = None, plan_pat
         f"PLAN=${{PLAN:-{shell_word(path)}}}",
         'OUT=${OUT:-"runs/${SLURM_JOB_NAME:-mosaic}-${SLURM_JOB_ID:-local}"}',
         "RDZV_PORT=${RDZV_PORT:-29500}",
-        'HEAD_NODE=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)',
+        # awk reads the whole list: `head -n 1` would close the pipe early, and under pipefail
+        # scontrol's SIGPIPE would end the job
+        'HEAD_NODE=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | awk \'NR == 1\')',
         "",
         "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
         f"    torchrun --nnodes {shape.nodes} --nproc_per_node {shape.per_node} \\",

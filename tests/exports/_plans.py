@@ -55,7 +55,8 @@ def make_fake_bin(tmp_path: Path) -> Path:
     recorder = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGV_DIR/{name}.argv"\n'
     for name in ("torchrun", "srun"):
         (folder / name).write_text(recorder.format(name=name))
-    (folder / "scontrol").write_text('#!/usr/bin/env bash\necho node-a\necho node-b\n')
+    # a long host list, so a reader that stops early would make scontrol die of SIGPIPE
+    (folder / "scontrol").write_text("#!/usr/bin/env bash\necho node-a\nseq -f 'node-%g' 1 200000\n")
     for child in folder.iterdir():
         child.chmod(child.stat().st_mode | stat.S_IXUSR)
     return folder
