@@ -276,25 +276,33 @@ class _Hardware:
         self.gemm_code, self.attn_code = code, attn_code
         self.gemm_present = np.flatnonzero(np.bincount(code, minlength=len(PRECISIONS)))
         self.attn_present = np.flatnonzero(np.bincount(attn_code, minlength=len(PRECISIONS)))
+        # Mixed precisions: every precision's curve laid side by side on one axis (curve c
+        # shifted by 100 c decades), each row clipped to its own curve's ends, so one
+        # np.interp prices all rows exactly as their own curve would.
+        self._stacked = {}
+        for name, codes, present in (("gemm", code, self.gemm_present), ("attention", attn_code, self.attn_present)):
+            if len(present) > 1:
+                xs = np.concatenate([self.curves[c].log_sizes + 100.0 * c for c in present])
+                ys = np.concatenate([self.curves[c].values for c in present])
+                lo = np.array([self.curves[c].log_sizes[0] for c in range(len(PRECISIONS))])
+                hi = np.array([self.curves[c].log_sizes[-1] for c in range(len(PRECISIONS))])
+                self._stacked[name] = (xs, ys, lo[codes], hi[codes], 100.0 * codes)
         self.bw = acc.hbm_bandwidth_bytes_per_s
         self.mem_curve = _Curve(acc.memory_efficiency)
         self._mem_cache: dict[Any, Any] = {}
 
-    def _eff(self, codes: np.ndarray, present: np.ndarray, size: np.ndarray) -> np.ndarray:
+    def _eff(self, which: str, present: np.ndarray, size: Any) -> Any:
         if len(present) == 1:
             return self.curves[present[0]](size)
-        out = np.empty(np.shape(size))
-        size = np.broadcast_to(size, np.shape(codes))
-        for c in present:
-            mask = codes == c
-            out[mask] = self.curves[c](size[mask])
-        return out
+        xs, ys, lo, hi, shift = self._stacked[which]
+        with np.errstate(divide="ignore"):
+            return np.interp(np.clip(np.log10(size), lo, hi) + shift, xs, ys)
 
     def compute_rate(self, kind: str, kernel_flops: Any) -> Any:
         """Achieved FLOP/s: peak x eff_compute(FLOPs of one kernel call)."""
         if kind == "attention":
-            return self.attn_peak * self._eff(self.attn_code, self.attn_present, kernel_flops)
-        return self.gemm_peak * self._eff(self.gemm_code, self.gemm_present, kernel_flops)
+            return self.attn_peak * self._eff("attention", self.attn_present, kernel_flops)
+        return self.gemm_peak * self._eff("gemm", self.gemm_present, kernel_flops)
 
     def memory_efficiency(self, nbytes: Any, kernels: Any) -> Any:
         """eff_memory(bytes per kernel); repeated operands (the same array object, e.g.
@@ -524,12 +532,17 @@ def _table_groups(arch: ArchBatch, lay: LayoutBatch, devices: np.ndarray) -> Opt
     columns = [np.asarray(getattr(arch, f)).astype(np.int64, copy=False) for f in TABLE_ARCH_FIELDS]
     columns += [np.asarray(getattr(lay, f)).astype(np.int64, copy=False) for f in TABLE_LAYOUT_FIELDS]
     columns.append(np.asarray(devices).astype(np.int64))
-    with np.errstate(over="ignore"):
-        key = np.zeros(n, dtype=np.int64)
-        for col, mult in zip(columns, _HASH_MULTIPLIERS):
-            key = (key ^ (col * mult)) * np.int64(1099511628211)
-    if 4 * len(np.unique(key[:1024])) > 3 * min(n, 1024):  # a sample says most rows differ: not worth it
+
+    def hashed(rows: Any) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            key = np.zeros(len(columns[0][rows]), dtype=np.int64)
+            for col, mult in zip(columns, _HASH_MULTIPLIERS):
+                key = (key ^ (col[rows] * mult)) * np.int64(1099511628211)
+        return key
+
+    if 4 * len(np.unique(hashed(slice(0, 1024)))) > 3 * min(n, 1024):  # a sample says most rows differ
         return None
+    key = hashed(slice(None))
     uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     if 2 * len(uniq) > n:
         return None

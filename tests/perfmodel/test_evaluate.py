@@ -329,3 +329,13 @@ def test_shared_block_tables_equal_pricing_every_row(monkeypatch):
     np.testing.assert_array_equal(shared.step_time_s, plain.step_time_s)
     np.testing.assert_array_equal(shared.memory_per_device_bytes, plain.memory_per_device_bytes)
     np.testing.assert_array_equal(shared.reason, plain.reason)
+
+
+def test_mixed_precision_batch_equals_single_calls():
+    strings = [f"ep=8,mbs={mbs},precision={p}" for p in ("bf16", "fp8", "fp32", "mxfp8", "fp16") for mbs in (1, 4)]
+    layouts = [parse_layout(s, devices=64) for s in strings]
+    batch = evaluate(SMALL_MOE, LayoutBatch.stack(layouts), H100)
+    for i, layout in enumerate(layouts):
+        single = evaluate(SMALL_MOE, layout, H100)
+        assert single.step_time_s[0] == pytest.approx(batch.step_time_s[i], rel=1e-12), strings[i]
+        assert single.mfu[0] == pytest.approx(batch.mfu[i], rel=1e-12)
