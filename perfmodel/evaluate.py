@@ -99,7 +99,7 @@ OPTIMIZER_KERNELS_PER_LAYER = 3.0
 """Fused multi-tensor launches per layer for the step: gradient norm, unscale/clip,
 Adam (apex/Transformer Engine multi_tensor_apply); an estimate, small either way."""
 
-CHUNK = 32768
+CHUNK = 65536
 """Candidates per vectorised pass (keeps the working set in cache)."""
 
 _BLOCK_BUILDERS = (("attention", attention_ops), ("dense_ffn", dense_ffn_ops), ("moe", moe_ops),
@@ -207,9 +207,9 @@ def _as_batches(archs: Any, layouts: Any, devices: Any) -> tuple[ArchBatch, Layo
     if not isinstance(archs, ArchBatch) or not isinstance(layouts, LayoutBatch):
         raise InputError("evaluate: archs must be MoEArchitecture/ArchBatch and layouts ParallelLayout/LayoutBatch")
     n_a, n_l = len(archs), len(layouts)
-    n = max(n_a, n_l)
-    if n_a != n_l and min(n_a, n_l) != 1:
+    if n_a != n_l and 1 not in (n_a, n_l):
         raise InputError(f"evaluate: {n_a} architectures and {n_l} layouts; give equal lengths or one of either")
+    n = n_l if n_a == 1 else n_a
     if n_a != n:
         archs = archs.take(np.zeros(n, dtype=np.int64))
     if n_l != n:
@@ -292,8 +292,8 @@ class _Hardware:
         self._mem_cache: dict[Any, Any] = {}
 
     def _eff(self, which: str, present: np.ndarray, size: Any) -> Any:
-        if len(present) == 1:
-            return self.curves[present[0]](size)
+        if len(present) <= 1:
+            return self.curves[present[0] if len(present) else BF16](size)
         xs, ys, lo, hi, shift = self._stacked[which]
         with np.errstate(divide="ignore"):
             return np.interp(np.clip(np.log10(size), lo, hi) + shift, xs, ys)

@@ -211,11 +211,17 @@ def test_batches_broadcast_and_match_single_calls():
     assert by_arch.step_time_s[2] > by_arch.step_time_s[0]
 
 
+def test_empty_batch_gives_empty_result():
+    empty = LayoutBatch.stack([parse_layout("gbs=8", devices=8)]).take(np.zeros(0, dtype=np.int64))
+    result = evaluate(DENSE, empty, H100)
+    assert len(result) == 0 and result.breakdown["compute"].shape == (0,)
+
+
 def test_large_batches_are_chunked_consistently():
     layout = LayoutBatch.stack([parse_layout("ep=8,gbs=128", devices=64), parse_layout("tp=2,ep=4,gbs=256", devices=64)])
-    many = layout.take(np.arange(40000) % 2)
+    many = layout.take(np.arange(70000) % 2)
     result = evaluate(SMALL_MOE, many, H100)
-    assert len(result) == 40000
+    assert len(result) == 70000
     two = evaluate(SMALL_MOE, layout, H100)
     np.testing.assert_allclose(result.step_time_s[:2], two.step_time_s)
     np.testing.assert_allclose(result.step_time_s[-2:], two.step_time_s)
