@@ -14,6 +14,7 @@ from mosaic import __version__
 from mosaic.cli import calibrate as calibrate_cmd
 from mosaic.cli import clusters as clusters_cmd
 from mosaic.cli import export as export_cmd
+from mosaic.cli import fit as fit_cmd
 from mosaic.cli import plan as plan_cmd
 from mosaic.cli import predict as predict_cmd
 from mosaic.cli import sweep as sweep_cmd
@@ -54,6 +55,7 @@ app.command("plan")(plan_cmd.plan)
 app.command("predict")(predict_cmd.predict)
 app.command("sweep")(sweep_cmd.sweep)
 app.command("export")(export_cmd.export)
+app.command("fit")(fit_cmd.fit)
 
 
 def main() -> None:
