@@ -65,21 +65,13 @@ def group_geometry(lay: Any, group: str) -> tuple[Any, Any]:
     raise AssertionError(f"unknown group {group}")
 
 
-def collective_coefficients(cluster: Any, kind: str, n: Any, stride: Any) -> tuple[Any, Any]:
-    """(seconds per byte, latency seconds) of a `kind` collective over n ranks at `stride`.
-
-    The bandwidth bytes at every level are proportional to the buffer, so the
-    time of a buffer S is S * slope + latency (for S > 0): the geometry is
-    walked once per group and kind, not once per message.
-    """
-    assert kind in COLLECTIVES, kind
+def group_levels(cluster: Any, n: Any, stride: Any) -> list[tuple[Any, Any, Any, Any, float]]:
+    """Per level: (members inside the inner domain c_{j-1}, inside this level's domain c_j,
+    fan-out f_j, ceil(log2 f_j), alpha_j) of a group of n ranks at `stride`."""
     n = np.maximum(np.asarray(n, dtype=float), 1.0)
     stride = np.maximum(np.asarray(stride, dtype=float), 1.0)
     shape = np.broadcast(n, stride).shape
-    slope = np.zeros(shape)
-    latency = np.zeros(shape)
-    if not np.any(n > 1.0):
-        return slope, latency
+    out = []
     c_prev = np.ones(shape)
     last = len(cluster.levels) - 1
     alpha = 0.0
@@ -90,21 +82,41 @@ def collective_coefficients(cluster: Any, kind: str, n: Any, stride: Any) -> tup
         else:
             c = np.maximum(np.minimum(n, np.maximum(1.0, np.floor(level.devices / stride))), c_prev)
         fan = c / c_prev
+        out.append((c_prev, c, fan, np.maximum(np.ceil(np.log2(fan) - 1e-9), 0.0), alpha))
+        c_prev = c
+    return out
+
+
+def collective_coefficients(cluster: Any, kind: str, n: Any, stride: Any, levels: Any = None) -> tuple[Any, Any]:
+    """(seconds per byte, latency seconds) of a `kind` collective over n ranks at `stride`.
+
+    The bandwidth bytes at every level are proportional to the buffer, so the
+    time of a buffer S is S * slope + latency (for S > 0): the geometry is
+    walked once per group (`levels` = `group_levels(...)`), not once per message.
+    """
+    assert kind in COLLECTIVES, kind
+    n = np.maximum(np.asarray(n, dtype=float), 1.0)
+    shape = np.broadcast(n, np.asarray(stride, dtype=float)).shape
+    slope = np.zeros(shape)
+    latency = np.zeros(shape)
+    if not np.any(n > 1.0):
+        return slope, latency
+    levels = group_levels(cluster, n, stride) if levels is None else levels
+    for level, (c_prev, c, fan, log_steps, alpha) in zip(cluster.levels, levels):
         if kind == "all_reduce":
             per_byte = 2.0 * (fan - 1.0) / fan / c_prev
-            steps = 2.0 * np.ceil(np.log2(fan) - 1e-9)
+            steps = 2.0 * log_steps
         elif kind in ("all_gather", "reduce_scatter"):
             per_byte = (fan - 1.0) / fan / c_prev
-            steps = np.ceil(np.log2(fan) - 1e-9)
+            steps = log_steps
         elif kind == "all_to_all":
             per_byte = (c - c_prev) / n
-            steps = np.ceil(np.log2(fan) - 1e-9)
+            steps = log_steps
         else:  # p2p
             per_byte = np.where(fan > 1.0, 1.0, 0.0)
-            steps = np.where(fan > 1.0, 1.0, 0.0)
+            steps = per_byte
         slope = np.maximum(slope, per_byte / (level.bandwidth_bytes_per_s * level.efficiency_of(kind)))
-        latency = latency + np.maximum(steps, 0.0) * alpha
-        c_prev = c
+        latency = latency + steps * alpha
     return slope, latency
 
 

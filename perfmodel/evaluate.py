@@ -43,9 +43,9 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from perfmodel.comm import collective_coefficients, collective_time, group_geometry
+from perfmodel.comm import collective_coefficients, collective_time, group_geometry, group_levels
 from perfmodel.errors import InputError
-from perfmodel.memory import MEMORY_COMPONENTS, shard_sizes, stage_memory, stage_params
+from perfmodel.memory import MEMORY_COMPONENTS, layer_activation_bytes, shard_sizes, stage_memory, stage_params
 from perfmodel.operators import (
     BF16,
     DDP,
@@ -326,11 +326,15 @@ class _Collectives:
     def __init__(self, cluster: Any, lay: Any) -> None:
         self.cluster, self.lay = cluster, lay
         self._coef: dict[tuple[str, str], Any] = {}
+        self._levels: dict[str, Any] = {}
 
     def time(self, group: str, kind: str, size_bytes: Any) -> Any:
         key = (group, kind)
         if key not in self._coef:
-            self._coef[key] = collective_coefficients(self.cluster, kind, *group_geometry(self.lay, group))
+            n, stride = group_geometry(self.lay, group)
+            if group not in self._levels:
+                self._levels[group] = group_levels(self.cluster, n, stride) if np.any(n > 1.0) else None
+            self._coef[key] = collective_coefficients(self.cluster, kind, n, stride, self._levels[group])
         return collective_time(self.cluster, kind, size_bytes, None, None, coefficients=self._coef[key])
 
 
@@ -446,6 +450,7 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
     comm["fwd_pp"] = p2p
     comm["bwd_pp"] = p2p
     dense_params, expert_params = stage_params(arch, lay, counts)
+    out["params"] = (dense_params, expert_params)
     flavor = np.asarray(dp_flavor_code(lay))
     fsdp = flavor == FSDP
     gather_bytes = np.where(precision_code(lay) == FP32, 4.0, 2.0)
@@ -621,8 +626,9 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: Any, devices: np
     }
     breakdown = {k: np.broadcast_to(np.asarray(v, dtype=float), step.shape).copy() for k, v in breakdown.items()}
 
-    mem_first = stage_memory(arch, lay, cluster, "first")
-    mem_last = stage_memory(arch, lay, cluster, "last")
+    activations = layer_activation_bytes(arch, lay)
+    mem_first = stage_memory(arch, lay, cluster, "first", counts["first"], stages["first"]["params"], activations)
+    mem_last = stage_memory(arch, lay, cluster, "last", counts["last"], stages["last"]["params"], activations)
     total_first = sum(mem_first[k] for k in MEMORY_COMPONENTS)
     total_last = sum(mem_last[k] for k in MEMORY_COMPONENTS)
     last_bigger = total_last > total_first

@@ -133,10 +133,15 @@ def layer_activation_bytes(arch: Any, lay: Any) -> dict[str, Any]:
     return {"attention": attention, "dense_ffn": dense, "moe": moe, "layer_input": b * T_sp * h}
 
 
-def stage_memory(arch: Any, lay: Any, cluster: Any, stage: str) -> dict[str, Any]:
-    """Memory components (bytes) of one device of the `first` or `last` stage."""
-    counts = stage_layer_counts(arch, lay)[stage]
-    dense, experts = stage_params(arch, lay, counts)
+def stage_memory(arch: Any, lay: Any, cluster: Any, stage: str, counts: Any = None, params: Any = None,
+                 activations: Any = None) -> dict[str, Any]:
+    """Memory components (bytes) of one device of the `first` or `last` stage.
+
+    `counts` (stage_layer_counts(...)[stage]), `params` (stage_params(...)) and
+    `activations` (layer_activation_bytes(...)) may be passed when already computed.
+    """
+    counts = stage_layer_counts(arch, lay)[stage] if counts is None else counts
+    dense, experts = stage_params(arch, lay, counts) if params is None else params
     shard_dense, shard_expert = shard_sizes(lay)
     flavor = dp_flavor_code(lay)
     fsdp = flavor == FSDP
@@ -145,7 +150,7 @@ def stage_memory(arch: Any, lay: Any, cluster: Any, stage: str) -> dict[str, Any
     held = np.where(fsdp, dense / shard_dense + experts / shard_expert, dense + experts)
     updated = np.where(sharded_opt, dense / shard_dense + experts / shard_expert, dense + experts)
 
-    act = layer_activation_bytes(arch, lay)
+    act = layer_activation_bytes(arch, lay) if activations is None else activations
     per_mb = (counts["attention"] * act["attention"] + counts["dense_ffn"] * act["dense_ffn"]
               + counts["moe"] * act["moe"])
     ffn_max = np.maximum(np.where(counts["moe"] > 0, act["moe"], 0.0),
