@@ -77,3 +77,21 @@ def test_sweep_writes_csv_and_png(planted, space_file, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     res = runner.invoke(app, ["sweep", "--cluster", "h100", "--over", "days", "--values", "a,b", "--space", space_file])
     assert res.exit_code == 2 and "--values" in res.output
+
+
+def test_plan_with_the_bundled_fit_and_sensitivity(space_file):
+    from scaling_fits import load_fit
+
+    fit = load_fit(None)
+    res = runner.invoke(app, ["plan", "--cluster", "ascend_superpod", "--devices", "128", "--space", space_file,
+                              "--sensitivity", "--json", "--top", "2"])
+    assert res.exit_code == 0, res.output
+    payload = json.loads(res.stdout)
+    assert payload["fit"] == {"name": fit.name, "hash": fit.content_hash()}
+    changes = [r["change"] for r in payload["analysis"]["sensitivity"]]
+    assert changes == ["budget x0.8", "budget x1.2", "bandwidth x0.8", "bandwidth x1.2", "hbm x0.8", "hbm x1.2"]
+    boot = payload["analysis"]["bootstrap"]
+    if fit.bootstrap_params is not None:
+        assert 0.0 <= boot["p_beats_runner_up"] <= 1.0 and boot["samples"] == len(fit.bootstrap_params)
+    else:
+        assert boot["p_beats_runner_up"] is None
