@@ -8,8 +8,9 @@ vpp, ep, cp, dp flavour, mbs, recompute, precision), the worst case; and "grid",
 shape, ~1000 geometries each crossed with the same ~1000 layouts (evaluate then prices each
 distinct per-layer operator table once). About 70% of the candidates are valid. The process is pinned to one core
 (numpy's elementwise kernels are single-threaded anyway). Timing: one warm-up pass, then the
-best of `--repeats` passes by wall clock (`time.perf_counter`), with CPU time (process_time)
-printed beside it because other jobs may share the machine. Target: >= 5e5 candidates/s.
+best of `--repeats` passes. Rates are given per CPU-second of this process (`process_time`, what
+one core delivers to it) and per wall second (`perf_counter`, lower when other jobs share the
+core); the target and the ratio use CPU time. Target: >= 5e5 candidates per core-second.
 
     python benchmarks/perfmodel_speed.py [--n 1000000] [--n-ref 1000] [--out-dir benchmarks/results]
 
@@ -125,11 +126,12 @@ def plot(figures: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3))
     names = ["evaluate, random mix", "evaluate, planner grid", "scalar reference"]
-    values = [figures["vectorised"]["per_s"], figures["vectorised_grid"]["per_s"], figures["reference"]["per_s"]]
+    values = [figures["vectorised"]["per_cpu_s"], figures["vectorised_grid"]["per_cpu_s"],
+              figures["reference"]["per_cpu_s"]]
     ax.barh(names, values, color=["tab:blue", "tab:cyan", "tab:gray"])
     ax.axvline(TARGET, color="tab:red", linestyle="--", label=f"target {TARGET:,.0f}/s")
     ax.set_xscale("log")
-    ax.set_xlabel("candidates per second (one core, wall clock)")
+    ax.set_xlabel("candidates per CPU-second (one core)")
     ax.set_title(f"perfmodel speed: ratio {figures['ratio']:,.0f}x", fontsize=10)
     ax.legend(fontsize=8)
     buffer = io.BytesIO()
@@ -159,8 +161,9 @@ def main() -> None:
     grid = bench_vectorised(*grid_candidates(args.n, args.devices), cluster, args.devices, args.repeats)
     ref = bench_reference(archs.take(slice(0, args.n_ref)), layouts.take(slice(0, args.n_ref)), cluster, args.devices)
     figures = {
-        "vectorised": vec, "vectorised_grid": grid, "reference": ref, "ratio": vec["per_s"] / ref["per_s"],
-        "target_per_s": TARGET, "meets_target": vec["per_s"] >= TARGET, "valid_share": valid_share, "cluster": "h100",
+        "vectorised": vec, "vectorised_grid": grid, "reference": ref, "ratio": vec["per_cpu_s"] / ref["per_cpu_s"],
+        "target_per_s": TARGET, "meets_target": vec["per_cpu_s"] >= TARGET,
+        "meets_target_grid": grid["per_cpu_s"] >= TARGET, "valid_share": valid_share, "cluster": "h100",
         "devices": args.devices, "chunk": CHUNK, "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(), "numpy": np.__version__, "machine": platform.machine(),
         "pinned_to_one_core": not args.no_pin,
@@ -170,11 +173,11 @@ def main() -> None:
     print(f"  {'path':<22}{'candidates':>12}{'wall s':>10}{'cand/s':>14}{'cand/CPU-s':>14}")
     for name, fig in (("vectorised (random)", vec), ("vectorised (grid)", grid), ("scalar reference", ref)):
         print(f"  {name:<22}{fig['n']:>12,}{fig['wall_s']:>10.2f}{fig['per_s']:>14,.0f}{fig['per_cpu_s']:>14,.0f}")
-    print(f"  ratio vectorised (random) / reference: {figures['ratio']:,.0f}x")
+    print(f"  ratio vectorised (random) / reference, per CPU-second: {figures['ratio']:,.0f}x")
     for label, fig in (("random", vec), ("grid", grid)):
-        verdict = "meets" if fig["per_s"] >= TARGET else "MISSES"
-        print(f"  target {TARGET:,.0f} candidates/s on one core, {label} mix: {verdict} ({fig['per_s']:,.0f}/s wall, "
-              f"{fig['per_cpu_s']:,.0f}/CPU-s)")
+        verdict = "meets" if fig["per_cpu_s"] >= TARGET else "MISSES"
+        print(f"  target {TARGET:,.0f} candidates per core-second, {label} mix: {verdict} "
+              f"({fig['per_cpu_s']:,.0f}/CPU-s; {fig['per_s']:,.0f}/s wall with load average {os.getloadavg()[0]:.1f})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out_dir / "perfmodel_speed.json", json.dumps(figures, indent=2) + "\n")
     plot(figures, args.out_dir / "perfmodel_speed.png")
