@@ -15,7 +15,9 @@ configuration is a batch of one). For each candidate:
    in the order cp (behind attention only), tp, ep, pp, FSDP; the rest is
    exposed.
 3. CPU dispatch: a phase takes max(device time, kernels x launch latency)
-   (the host enqueues asynchronously, so only the excess shows).
+   (the host enqueues asynchronously, so only the excess shows); on CPU
+   clusters (`host_cores` set) the rank's own core launches and runs each
+   kernel, so kernels x launch latency adds to the device time.
 4. The slower of the first and last pipeline stage sets the step
    (`perfmodel.schedule`): (m + (pp-1)/vpp) micro-batch slots, plus the exposed
    DDP/ZeRO-1 gradient (and parameter) synchronisation, plus the optimizer
@@ -483,7 +485,10 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
                    + np.where(full, total("fwd_kernels", _LAYER_BLOCKS), np.where(selective, counts["attention"], 0.0)))
     fwd_device = fwd_compute + sum(exposed[f"fwd_{c}"] for c in ("cp", "tp", "ep", "pp", "fsdp"))
     bwd_device = bwd_compute + sum(exposed[f"bwd_{c}"] for c in ("cp", "tp", "ep", "pp", "fsdp"))
-    dispatch = np.maximum(fwd_kernels * lat - fwd_device, 0.0) + np.maximum(bwd_kernels * lat - bwd_device, 0.0)
+    if cluster.host_cores is not None:  # CPU ranks run their own kernels: launch time adds
+        dispatch = (fwd_kernels + bwd_kernels) * lat + 0.0 * fwd_device
+    else:  # the host enqueues ahead of the device: only launch time beyond device time shows
+        dispatch = np.maximum(fwd_kernels * lat - fwd_device, 0.0) + np.maximum(bwd_kernels * lat - bwd_device, 0.0)
     t_mb = fwd_device + bwd_device + dispatch
     out["dispatch"] = dispatch
     out["t_mb"] = t_mb

@@ -328,7 +328,10 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
             tot("fwd_kernels", layer_blocks) if full else (c["attention"] if selective else 0.0))
         fwd_device = fwd_compute + sum(exposed[f"fwd_{x}"] for x in ("cp", "tp", "ep", "pp", "fsdp"))
         bwd_device = bwd_compute + sum(exposed[f"bwd_{x}"] for x in ("cp", "tp", "ep", "pp", "fsdp"))
-        st["dispatch"] = max(fwd_kernels * lat - fwd_device, 0.0) + max(bwd_kernels * lat - bwd_device, 0.0)
+        if cluster.host_cores is not None:   # a CPU rank launches and runs its own kernels
+            st["dispatch"] = (fwd_kernels + bwd_kernels) * lat
+        else:                                # launches overlap device work; the excess shows
+            st["dispatch"] = max(fwd_kernels * lat - fwd_device, 0.0) + max(bwd_kernels * lat - bwd_device, 0.0)
         st["t_mb"] = fwd_device + bwd_device + st["dispatch"]
         for cls in ("tp", "cp", "ep", "pp", "fsdp"):
             st[f"{cls}_exposed"] = exposed[f"fwd_{cls}"] + exposed[f"bwd_{cls}"]

@@ -345,3 +345,14 @@ def test_mixed_precision_batch_equals_single_calls():
         single = evaluate(SMALL_MOE, layout, H100)
         assert single.step_time_s[0] == pytest.approx(batch.step_time_s[i], rel=1e-12), strings[i]
         assert single.mfu[0] == pytest.approx(batch.mfu[i], rel=1e-12)
+
+
+def test_cpu_ranks_pay_launch_time_on_top():
+    gpu = H100
+    cpu = dataclasses.replace(H100, host_cores=16)  # 2 ranks on 16 cores: no sharing of the peak
+    on_cpu = evaluate(DENSE, parse_layout("mbs=4,gbs=8", devices=2), cpu)
+    on_gpu = evaluate(DENSE, parse_layout("mbs=4,gbs=8", devices=2), gpu)
+    assert on_gpu.breakdown["dispatch"][0] == 0  # the device is busy longer than the host launches
+    assert on_cpu.breakdown["dispatch"][0] > 0
+    assert on_cpu.breakdown["compute"][0] == pytest.approx(on_gpu.breakdown["compute"][0])
+    assert on_cpu.step_time_s[0] > on_gpu.step_time_s[0]
