@@ -32,6 +32,7 @@ from mosaic.planner import law as lawmod
 from mosaic.planner.budget import Budget, compute_optimal_flops, goodput
 from mosaic.planner.candidates import GeometryResults, PairEvaluator
 from mosaic.planner.space import GeometrySet, ResolvedSpace, SearchSpace, geometries, layout_grid, resolve_space
+from perfmodel.errors import InputError
 from perfmodel.specs.architecture import attention_flops_per_token, model_flops_per_token
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import PRECISIONS
@@ -90,7 +91,7 @@ class Problem:
         for p in self.space.layout.precision:
             try:
                 peaks.append(acc.peak(p))
-            except Exception:  # a precision the part lacks is infeasible for evaluate too
+            except InputError:  # a precision the part lacks is infeasible for evaluate too
                 continue
         return max(peaks) if peaks else 0.0
 

@@ -129,3 +129,10 @@ def test_process_parallel_search_gives_the_same_answer(law, space, monkeypatch):
     two = rank_cluster_optimal(_problem(law, space), top=3, workers=2)
     np.testing.assert_array_equal(one.index[:3], two.index[:3])
     np.testing.assert_allclose(one.loss[:3], two.loss[:3], rtol=1e-12)
+
+
+def test_progress_counts_every_candidate_seen(law, space, monkeypatch):
+    monkeypatch.setattr(enumerate_mod, "CHUNK_PAIRS", 500)
+    seen = []
+    ranked = rank_cluster_optimal(_problem(law, space), top=2, progress=seen.append)
+    assert sum(seen) == ranked.pairs_seen == ranked.evaluated * 72 and len(seen) > 1
