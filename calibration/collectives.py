@@ -61,7 +61,7 @@ def message_sizes(device_type: str, quick: bool) -> list[int]:
 
 def repeats_for(quick: bool) -> tuple[int, int]:
     """(warm-up calls, timed repeats) per message size; fixed so every rank agrees."""
-    return (2, 31) if quick else (5, 51)
+    return (2, 41) if quick else (5, 51)
 
 
 def ops_per_repeat(nbytes: int) -> int:

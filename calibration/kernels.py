@@ -9,9 +9,10 @@ point and returns a `Measurement`. FLOP conventions match perfmodel: a GEMM
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -206,14 +207,23 @@ def _gemm_fn(point: KernelPoint, device: torch.device) -> Callable[[], Any]:
     return lambda: torch.mm(a, b, out=out)
 
 
-def run_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
-    """Time one kernel point on `device` and return its measurement."""
+@dataclass(frozen=True)
+class Prepared:
+    """A kernel point ready to time: the call, its useful FLOPs / bytes, and how it ran."""
+
+    point: KernelPoint
+    fn: Callable[[], Any]
+    flops: float
+    nbytes: float
+    impl: str = ""
+
+
+def prepare_point(point: KernelPoint, device: torch.device) -> Prepared:
+    """Allocate the operands of `point` on `device` and return the call to time."""
     shape = dict(point.shape)
     kind = point.kind
     if kind == "gemm":
-        fn = _gemm_fn(point, device)
-        flops = 2.0 * shape["M"] * shape["N"] * shape["K"]
-        return Measurement.from_stats(kind, device.type, point.precision, shape, flops, 0.0, time_call(fn, device, budget))
+        return Prepared(point, _gemm_fn(point, device), 2.0 * shape["M"] * shape["N"] * shape["K"], 0.0)
     if kind == "grouped_gemm":
         dtype = DTYPES[point.precision]
         E, T, K, N = (int(shape[k]) for k in ("E", "T", "K", "N"))
@@ -226,43 +236,97 @@ def run_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measu
             fn = lambda: grouped_mm_fast(x, w, offsets)  # noqa: E731
         else:
             fn = lambda: grouped_mm_bmm(x, w, counts)  # noqa: E731
-        flops = 2.0 * sum(counts) * K * N
-        return Measurement.from_stats(kind, device.type, point.precision, shape, flops, 0.0,
-                                      time_call(fn, device, budget), impl=impl)
+        return Prepared(point, fn, 2.0 * sum(counts) * K * N, 0.0, impl)
     if kind == "sdpa":
         dtype = DTYPES[point.precision]
         B, H, S, D = (int(shape[k]) for k in ("B", "H", "S", "D"))
         q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype) for _ in range(3))
         fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-        flops = 4.0 * B * H * S * S * D / 2.0  # causal forward: half of QK^T and PV
-        return Measurement.from_stats(kind, device.type, point.precision, shape, flops, 0.0, time_call(fn, device, budget))
+        return Prepared(point, fn, 4.0 * B * H * S * S * D / 2.0, 0.0)  # causal forward: half of QK^T and PV
     if kind in ("mem_copy", "mem_add"):
         n = int(shape["bytes"]) // 4
         a = torch.rand(n, device=device)
         b = torch.rand(n, device=device)
         c = torch.empty(n, device=device)
         if kind == "mem_copy":
-            fn, moved = (lambda: c.copy_(a)), 2.0 * n * 4
-        else:
-            fn, moved = (lambda: torch.add(a, b, out=c)), 3.0 * n * 4
-        return Measurement.from_stats(kind, device.type, point.precision, shape, 0.0, moved, time_call(fn, device, budget))
-    if kind == "launch":
-        x = torch.zeros(1, device=device)
-        batch = int(shape["batch"])
-
-        def launches() -> None:
-            for _ in range(batch):
-                x.add_(1.0)
-            synchronize(device)
-
-        # Host clock on purpose: dispatch cost is host time (kernels this small are not the bound).
-        samples = time_samples(launches, torch.device("cpu"), budget)
-        stats = summarize([s / batch for s in samples])
-        return Measurement.from_stats(kind, device.type, point.precision, shape, 0.0, 0.0, stats)
+            return Prepared(point, lambda: c.copy_(a), 0.0, 2.0 * n * 4)
+        return Prepared(point, lambda: torch.add(a, b, out=c), 0.0, 3.0 * n * 4)
     raise AssertionError(f"unknown kernel kind {kind}")
 
 
+def _measurement(prepared: Prepared, device: torch.device, stats: Any) -> Measurement:
+    p = prepared.point
+    return Measurement.from_stats(p.kind, device.type, p.precision, dict(p.shape), prepared.flops, prepared.nbytes,
+                                  stats, impl=prepared.impl)
+
+
+def _launch_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
+    x = torch.zeros(1, device=device)
+    batch = int(point.shape["batch"])
+
+    def launches() -> None:
+        for _ in range(batch):
+            x.add_(1.0)
+        synchronize(device)
+
+    # Host clock on purpose: dispatch cost is host time (kernels this small are not the bound).
+    samples = time_samples(launches, torch.device("cpu"), budget)
+    stats = summarize([s / batch for s in samples])
+    return Measurement.from_stats(point.kind, device.type, point.precision, dict(point.shape), 0.0, 0.0, stats)
+
+
+def run_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
+    """Time one kernel point on `device` and return its measurement."""
+    if point.kind == "launch":
+        return _launch_point(point, device, budget)
+    prepared = prepare_point(point, device)
+    return _measurement(prepared, device, time_call(prepared.fn, device, budget))
+
+
+def run_points(points: list[KernelPoint], device: torch.device, budget: Budget,
+               progress: Optional[Callable[[int], None]] = None) -> list[Measurement]:
+    """Time many points; the points of one (kind, precision) in interleaved rounds.
+
+    Round r times one repeat (after one untimed call) of every point of the group, so a burst of load
+    from other jobs lands on many points a little rather than on one point
+    entirely (the curve keeps its shape on a busy host). A group stops adding
+    rounds once min_repeats are done and it has used max_seconds per point.
+    """
+    groups: dict[tuple[str, str], list[KernelPoint]] = {}
+    for point in points:
+        groups.setdefault((point.kind, point.precision), []).append(point)
+    results: dict[int, Measurement] = {}
+    index = {id(p): i for i, p in enumerate(points)}
+    for (kind, _), group in groups.items():
+        if kind == "launch":
+            for point in group:
+                results[index[id(point)]] = _launch_point(point, device, budget)
+                if progress:
+                    progress(1)
+            continue
+        prepared = [prepare_point(p, device) for p in group]
+        for item in prepared:
+            for _ in range(budget.warmup):
+                item.fn()
+        synchronize(device)
+        samples: list[list[float]] = [[] for _ in prepared]
+        started = time.perf_counter()
+        for round_index in range(budget.max_repeats):
+            for item, store in zip(prepared, samples):
+                # One untimed call first: the previous point left other operands in cache and
+                # other kernels selected; the timed call then sees the warm state a loop would.
+                store.extend(time_samples(item.fn, device, Budget(warmup=1, min_repeats=1, max_repeats=1)))
+            if round_index + 1 >= budget.min_repeats and time.perf_counter() - started > budget.max_seconds * len(group):
+                break
+        for point, item, store in zip(group, prepared, samples):
+            results[index[id(point)]] = _measurement(item, device, summarize(store))
+        del prepared
+        if progress:
+            progress(len(group))
+    return [results[i] for i in range(len(points))]
+
+
 __all__ = [
-    "KernelPoint", "expert_token_counts", "gemm_shapes", "grouped_impl", "grouped_mm_bmm", "grouped_mm_fast",
+    "KernelPoint", "Prepared", "prepare_point", "run_points", "expert_token_counts", "gemm_shapes", "grouped_impl", "grouped_mm_bmm", "grouped_mm_fast",
     "grouped_mm_reference", "kernel_plan", "main_precision", "run_point", "supported_precisions",
 ]

@@ -56,7 +56,7 @@ def run_kernels(device_kind: str, quick: bool, threads: Optional[int], progress:
     """Time the kernel grid; returns (rows, notes, device name)."""
     import torch
 
-    from calibration.kernels import grouped_impl, kernel_plan, main_precision, run_point, supported_precisions
+    from calibration.kernels import grouped_impl, kernel_plan, main_precision, run_points, supported_precisions
     from calibration.timing import Budget, device_name, resolve_device
 
     device = resolve_device(device_kind, local_rank)
@@ -68,13 +68,9 @@ def run_kernels(device_kind: str, quick: bool, threads: Optional[int], progress:
         notes = {f"skipped_{p}": why for p, why in skipped.items()}
         impl, why = grouped_impl(device, {"fp32": torch.float32, "bf16": torch.bfloat16}[main_precision(precisions)])
         notes["grouped_gemm_impl"] = impl if not why else f"{impl}: {why}"
-        budget = Budget(warmup=1, min_repeats=5, max_repeats=15, max_seconds=0.15) if quick else Budget()
+        budget = Budget(warmup=1, min_repeats=9, max_repeats=25, max_seconds=0.2) if quick else Budget()
         plan = kernel_plan(device, quick, precisions)
-        rows = []
-        for point in plan:
-            rows.append(run_point(point, device, budget))
-            if progress:
-                progress("kernels", 1, len(plan))
+        rows = run_points(plan, device, budget, (lambda n: progress("kernels", n, len(plan))) if progress else None)
         return rows, notes, device_name(device)
     finally:
         torch.set_num_threads(previous_threads)
