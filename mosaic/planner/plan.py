@@ -37,6 +37,8 @@ from perfmodel.specs.strict import write_yaml_atomic
 
 PLAN_VERSION = 1
 SOLVERS = ("enumerate", "scip", "bonmin", "mindtpy")
+MEMORY_TIGHT = 0.05
+"""Headroom below which the plan's own memory is reported as binding too."""
 
 
 def model_dict(arch: MoEArchitecture) -> dict[str, Any]:
@@ -192,6 +194,8 @@ def binding_constraint(problem: Problem, chosen: Choice, co_choice: Choice, rank
         out["detail"] = (f"the compute-optimal geometry reaches MFU {on['mfu']:.3f} on this cluster "
                          f"(nominal {problem.space.compute_optimal.nominal_mfu:.2f}); the chosen geometry reaches "
                          f"{chosen.predicted['mfu']:.3f} and a lower loss in the wall time")
+    if out["memory_headroom"] < MEMORY_TIGHT:
+        out["detail"] += f"; memory also binds the chosen layout ({100 * out['memory_headroom']:.1f}% headroom)"
     return out
 
 
