@@ -51,7 +51,7 @@ max(device time, kernels x latency)), so a local fit from the datasheet values c
 best few grid points (plus the current values) start the fits and the best result is kept."""
 LOG_FACTORS = {"efficiency_scale": 1e-3, "launch_latency_s": 1e-7}
 """Scale factors fitted as log10 (value floored here): they span decades."""
-STARTS = 2
+STARTS = 3
 SENSITIVITY = 1e-3
 """A factor is fitted only if moving it across its range changes some prediction by more than 0.1%."""
 

@@ -153,4 +153,37 @@ def _human(nbytes: float) -> str:
     return f"{nbytes:g} B"
 
 
-__all__ = ["write_report"]
+__all__ = ["write_from_runs_report", "write_report"]
+
+
+def write_from_runs_report(folder: Path, summary: dict) -> Path:
+    """Markdown + PNG (predicted vs measured step time, before and after the refit) for `--from-runs`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    per_run = summary["per_run"]
+    measured = np.array([r["measured_step_time_s"] for r in per_run])
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for key, label, marker in (("predicted_before_s", "before", "x"), ("predicted_after_s", "after (in sample)", "o"),
+                               ("predicted_leave_one_out_s", "leave-one-run-out", "s")):
+        values = [r[key] for r in per_run]
+        if all(v is not None for v in values):
+            ax.loglog(measured, values, marker, label=label, alpha=0.8)
+    low, high = float(measured.min()) / 3, float(measured.max()) * 3
+    ax.loglog([low, high], [low, high], "k--", lw=0.8, label="perfect")
+    ax.set_xlabel("measured step time (s)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.legend(fontsize=7)
+    lines = ["# Refit from training runs", "", f"Cluster written: `{summary['output']}`; runs: {summary['runs']}.", "",
+             f"![predicted vs measured]({_save(fig, folder / 'from_runs.png')})", "", "| step-time MAPE | |", "|---|---|"]
+    lines += [f"| {k} | {100 * v:.1f}% |" for k, v in summary["mape"].items()]
+    lines += ["", "| factor | value |", "|---|---|"] + [f"| {k} | {v:.4g} |" for k, v in summary["factors"].items()]
+    lines += [f"| {k} (not fitted) | {why} |" for k, why in summary["fixed"].items()]
+    lines += ["", "| run | devices | layout | measured s | before s | after s | leave-one-out s |", "|---|---|---|---|---|---|---|"]
+    for r in per_run:
+        lines.append(f"| {r['run']} | {r['devices']} | {r['layout']} | {r['measured_step_time_s']:.4g} | "
+                     f"{r['predicted_before_s']:.4g} | {r['predicted_after_s']:.4g} | {r['predicted_leave_one_out_s']} |")
+    return write_text_atomic(folder / "report.md", "\n".join(lines) + "\n")

@@ -111,6 +111,10 @@ def _from_runs(runs: Path, cluster: Optional[str], output: Path, report: Optiona
     from calibration.from_runs import refit_from_runs
 
     result = refit_from_runs(runs, cluster, output)
+    if report is not None:
+        from calibration.report import write_from_runs_report
+
+        write_from_runs_report(report, result.summary())
     if json_output:
         print_json(result.summary())
         return
@@ -122,4 +126,4 @@ def _from_runs(runs: Path, cluster: Optional[str], output: Path, report: Optiona
     console.print(table)
     for name, value in result.factors.items():
         console.print(f"{name} = {value:.4g}")
-    console.print(f"wrote {result.output}")
+    console.print(f"wrote {result.output}" + (f"; report {report / 'report.md'}" if report else ""))

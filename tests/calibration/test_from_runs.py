@@ -99,11 +99,13 @@ def test_cli_from_runs_prints_mape_and_writes(synthetic_runs, tmp_path):
         shutil.copytree(synthetic_runs[0] / name, folder / name)
     out = tmp_path / "cli.yaml"
     result = CliRunner().invoke(app, ["calibrate", "--from-runs", str(folder), "--cluster", base_cluster(), "-o", str(out),
-                                      "--json"])
+                                      "--json", "--report", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)
     assert summary["mape"]["after_leave_one_run_out"] < summary["mape"]["before"]
     assert out.exists()
+    assert "after_leave_one_run_out" in (tmp_path / "report" / "report.md").read_text()
+    assert (tmp_path / "report" / "from_runs.png").stat().st_size > 1000
 
 
 def test_bad_runs_are_input_errors(tmp_path):
