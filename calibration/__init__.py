@@ -1,1 +1,18 @@
-"""Microbenchmarks and collectives that calibrate the performance model (needs torch)."""
+"""Microbenchmarks and collectives that calibrate the performance model (`mosaic calibrate`).
+
+Modules (torch is imported only inside `timing`, `kernels` and the functions of
+`collectives`/`run` that measure, so fitting, writing and `--from-runs` work
+without it):
+
+- `stats`        median with an interference-robust outlier filter, IQR/median noise
+- `timing`       device selection (cpu, cuda, npu via torch_npu) and device-side timing
+- `kernels`      GEMM grid, grouped expert GEMM, causal SDPA, memory copy/add, launch latency
+- `collectives`  all_reduce, all_gather, reduce_scatter, all_to_all, send/recv under torchrun,
+                 and the subprocess launcher with hang/death detection
+- `measurements` the raw-measurements CSV
+- `fit`          alpha-beta fits (R^2, nccl-tests bus bandwidth) and efficiency curves
+- `profile`      the calibrated cluster YAML (base cluster + measured figures + `calibration:`)
+- `report`       markdown report with PNG plots
+- `run`          the end-to-end `calibrate(...)` behind the CLI
+- `from_runs`    correction factors fitted to the bundled trainer's step times
+"""

@@ -89,8 +89,6 @@ def calibrate(base: str, device_kind: str = "cpu", quick: bool = False, nproc: i
     output = Path(output)
     if output.suffix not in (".yaml", ".yml"):
         raise InputError(f"-o {output}: the calibrated cluster must be a .yaml file")
-    import torch
-
     load_before = load_average()
     level_names = [lvl.name for lvl in spec.levels]
     level_devices = [lvl.devices for lvl in spec.levels]
@@ -128,7 +126,8 @@ def calibrate(base: str, device_kind: str = "cpu", quick: bool = False, nproc: i
                         f"--measurements {csv}`); no profile written")
         else:
             notes["collectives"] = "not measured (--nproc 1); fabric levels keep their base figures"
-    provenance = Provenance(device=device_kind, device_name=name, ranks=ranks, torch_version=torch.__version__,
+    torch_version = "unknown (refit from CSV)" if measurements is not None else str(__import__("torch").__version__)
+    provenance = Provenance(device=device_kind, device_name=name, ranks=ranks, torch_version=torch_version,
                             driver=driver_version(device_kind) if measurements is None else "unknown",
                             threads_per_rank=threads if device_kind == "cpu" else None, quick=quick, notes=notes,
                             load_average=None if measurements is not None else [load_before, load_average()])
