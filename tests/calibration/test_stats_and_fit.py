@@ -109,3 +109,33 @@ def test_level_figures_are_fractions_and_respect_the_datasheet():
     assert measured["bandwidth_bytes_per_s"] == pytest.approx(350e9, rel=1e-3)
     assert all(0 < v <= 1 for v in measured["collective_efficiency"].values())
     assert level_figures(fits, 100e9)["bandwidth_from"] == "measured"  # datasheet exceeded: trust the measurement
+
+
+def test_group_specs_cover_inside_and_across_nodes():
+    from calibration.collectives import bus_factor, group_specs
+
+    specs = group_specs(16, 8, ["node", "scale_out"], [8, 1024])
+    assert [s.level for s in specs] == ["node", "scale_out"]
+    inside, across = specs
+    assert inside.ranks_of == [list(range(8)), list(range(8, 16))]
+    assert across.ranks_of == [[r, r + 8] for r in range(8)]  # one rank per node, every rank in one group
+    assert group_specs(2, 2, ["host"], [8])[0].ranks_of == [[0, 1]] and len(group_specs(2, 2, ["host"], [8])) == 1
+    assert group_specs(4, 1, ["node", "scale_out"], [8, 64])[0].level == "node"  # 4 single-rank nodes fit one node level
+    assert bus_factor("all_reduce", 8) == pytest.approx(1.75) and bus_factor("all_to_all", 8) == pytest.approx(0.875)
+    assert bus_factor("p2p", 8) == 1.0
+
+
+def test_latency_steps_match_perfmodel_comm():
+    """Dividing a measured alpha by latency_steps and pricing it with perfmodel.comm gives alpha back."""
+    import dataclasses
+
+    from calibration.profile import latency_steps
+    from perfmodel.clusters import load_cluster
+    from perfmodel.comm import collective_time
+
+    cluster = load_cluster("h100")
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+        for n in (2, 4, 8):
+            level = dataclasses.replace(cluster.levels[0], latency_s=1e-3 / latency_steps(kind, n))
+            spec = dataclasses.replace(cluster, levels=(level, *cluster.levels[1:]))
+            assert float(collective_time(spec, kind, 1.0, n, 1)) == pytest.approx(1e-3, rel=1e-3), (kind, n)
