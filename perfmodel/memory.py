@@ -7,24 +7,37 @@ Sources
   the data-parallel group, FSDP (ZeRO-3) shards all three. fp32 training keeps
   no master copy: 4 + 4 + 8 B. fp8 adds a 1-byte fp8 weight copy (Transformer
   Engine). Dense parameters shard over dp*cp, routed experts over edp.
-- Activations (Korthikanti et al. 2022, arXiv 2205.05198, sec. 4), listed per
+- Activations (Korthikanti et al. 2022, arXiv 2205.05198, sec. 4 and Table 2), listed per
   stored tensor and generalised to GQA, gated FFNs and MoE, without dropout
   masks (none in LLaMA-style pre-training) and with flash attention (no s x s
-  score matrix is ever stored, which is what their selective recompute
-  removes). Per layer and token, b bytes per element:
+  score matrix is ever stored). Per layer and token, b bytes per element:
     attention  norm input h·r + QKV input h·r + Q,K,V (h_q + 2h_kv)/t + output h_q/t
                + fp32 log-sum-exp 4·heads/t      (r = 1/t with sequence parallel, else 1)
     dense FFN  norm input h·r + up input h·r + gate/up (1|2)·d/t + activation d/t
     MoE        norm + router input 2h·r + fp32 router probabilities 4E/t
-               + dispatched tokens, expert hidden and outputs on the busiest rank
-               (M_exp rows: h + (1|2)·d_e/etp + d_e/etp + h) + shared experts as an
-               MLP reading the router's input
-  For a non-gated MHA 4h MLP this is 32·h bytes (their 34·s·b·h minus two
-  dropout masks). Under fp8 the tensors kept only as GEMM inputs are the
-  1-byte fp8 copies Transformer Engine saves (`layer_activation_bytes`). Selective recompute (Megatron-Core's default module,
-  core_attn) drops the attention output and log-sum-exp (recomputed in the
-  backward pass); full recompute keeps only each layer's input plus one
-  layer's working set.
+               + dispatched tokens, expert hidden and outputs of the tokens the rank
+               receives (M_mean rows: h + (1|2)·d_e/etp + d_e/etp + h) + shared experts
+               as an MLP reading the router's input
+  For a non-gated MHA 4h MLP this is 32·h bytes: Megatron-LM's
+  `theoretical_memory_usage.compute_activation_memory` per-layer term
+  s·b·h·(18 + 4·ffn/h) = 34·s·b·h minus the two 1-byte dropout masks
+  (`tests/perfmodel/test_fidelity.py` checks it against that formula). Under fp8 the
+  tensors kept only as GEMM inputs are the 1-byte fp8 copies Transformer Engine saves
+  (`layer_activation_bytes`).
+- Selective recompute (Megatron-Core's default module `core_attn`): the core attention
+  runs inside `tensor_parallel.checkpoint`, so its internal tensors are recomputed, but
+  its output is the input `linear_proj` saves for the weight gradient and stays stored
+  (Korthikanti et al. Table 2: selective removes only the 5·a·s²·b terms; the 34·s·b·h
+  remain). With flash attention the only internal tensor is the fp32 log-sum-exp, so
+  selective saves that, and flash's own bf16 copy of the output under fp8. Full
+  recompute keeps only each layer's input plus one layer's working set.
+- MoE stored activations use the MEAN tokens per expert-parallel rank (M_mean), not the
+  busiest rank's (M_exp = MOE_LOAD_FACTOR x mean): a rank's peak is the sum over all its
+  layers and in-flight micro-batches, and the rank that is busiest differs from layer to
+  layer (routing is balanced by the auxiliary loss only on average), so the sum
+  concentrates at the mean (law of large numbers over L x in-flight terms). The
+  transient dispatch buffers of the one layer being computed keep the busiest rank's
+  M_exp, as do the expert GEMM times (every all-to-all waits for the busiest rank).
 - In-flight micro-batches: `schedule.in_flight` (1F1B / interleaved).
 - Logits: bf16 logits plus the fp32 copy the vocab-parallel cross-entropy
   keeps for the backward pass ((b + 4)·T·V/t on the last stage).
@@ -109,20 +122,22 @@ def layer_activation_bytes(arch: Any, lay: Any) -> dict[str, Any]:
     b = activation bytes, g = GEMM-input bytes: under fp8/mxfp8 Transformer Engine saves the
     fp8-cast input of each fp8 GEMM for its weight gradient (1 B), so tensors kept only as
     GEMM inputs cost g; tensors other kernels need (norm inputs, Q/K/V, activation-function
-    inputs, expert outputs) stay at b. The attention output is kept at b for the flash
-    backward, plus a g copy for the output projection under fp8.
+    inputs, expert outputs) stay at b. Without recompute the attention output is kept at
+    b for the flash backward plus a g copy for the output projection under fp8, and the
+    fp32 log-sum-exp; selective recompute of core_attn keeps only the projection's input
+    (g) (module doc). Routed-expert tensors count the mean rows per rank (M_mean).
     """
     sh = shapes(arch, lay)
     b = activation_bytes(lay)
     g = gemm_operand_bytes(lay)
     fp8 = precision_code(lay) >= FP8
-    T, T_sp, T_moe, M = sh["T"], sh["T_sp"], sh["T_moe"], sh["M_exp"]
+    T, T_sp, T_moe, M = sh["T"], sh["T_sp"], sh["T_moe"], sh["M_mean"]
     h, h_q, h_kv, tp, etp = sh["h"], sh["h_q"], sh["h_kv"], sh["tp"], sh["etp"]
     up = np.where(sh["gated"], 2.0, 1.0)
     selective = recompute_code(lay) == SELECTIVE
-    output_bytes = b + np.where(fp8, g, 0.0)
+    kept_without_recompute = np.where(fp8, b + g, b) * T * h_q / tp + 4.0 * T * sh["heads"] / tp
     attention = ((b + g) * T_sp * h + b * T * (h_q + 2.0 * h_kv) / tp
-                 + np.where(selective, 0.0, output_bytes * T * h_q / tp + 4.0 * T * sh["heads"] / tp))
+                 + np.where(selective, g * T * h_q / tp, kept_without_recompute))
     d_ff = np.asarray(arch.d_ff_dense, dtype=float)
     dense = (b + g) * T_sp * h + (b * up + g) * T * d_ff / tp
     d_loc = np.asarray(arch.d_expert, dtype=float) / etp

@@ -203,6 +203,8 @@ def _shapes(arch: Any, lay: Any) -> dict[str, Any]:
     T_moe  tokens this rank routes: T / tp (MoE layers are sequence-parallel)
     M_exp  rows of the grouped expert GEMM on the busiest rank:
            etp * T_moe * top_k * MOE_LOAD_FACTOR
+    M_mean rows an expert-parallel rank receives on average: etp * T_moe * top_k
+           (what its stored activations add up to over many layers, see memory.py)
     """
     f = np.asarray
     tp, cp, etp, ep = (f(getattr(lay, n), dtype=float) for n in ("tp", "cp", "etp", "ep"))
@@ -223,6 +225,7 @@ def _shapes(arch: Any, lay: Any) -> dict[str, Any]:
         "T_sp": t_sp,
         "T_moe": t_moe,
         "M_exp": etp * t_moe * f(arch.top_k, dtype=float) * MOE_LOAD_FACTOR,
+        "M_mean": etp * t_moe * f(arch.top_k, dtype=float),
         "E_local": np.maximum(n_experts / ep, 1.0),
         "h": h,
         "h_q": h_q,

@@ -422,13 +422,16 @@ def _stage_memory(arch: Any, lay: Any, cluster: Any, c: dict[str, float], st: di
     up = 2.0 if arch.gated_ffn else 1.0
     fp8 = lay.precision in ("fp8", "mxfp8")
     g = 1.0 if fp8 else b                      # a tensor kept only as a GEMM input (TE fp8 copy)
-    out_b = b + (g if fp8 else 0.0)            # attention output: bf16 for flash + fp8 copy
-    attention = ((b + g) * T_sp * h + b * T * (h_q + 2 * h_kv) / tp
-                 + (0.0 if lay.recompute == "selective" else out_b * T * h_q / tp + 4.0 * T * arch.n_heads / tp))
+    if lay.recompute == "selective":           # core_attn checkpointed: only out_proj's input stays
+        kept = g * T * h_q / tp
+    else:                                      # flash keeps its output (bf16) and fp32 log-sum-exp
+        kept = (b + (g if fp8 else 0.0)) * T * h_q / tp + 4.0 * T * arch.n_heads / tp
+    attention = (b + g) * T_sp * h + b * T * (h_q + 2 * h_kv) / tp + kept
     dense = (b + g) * T_sp * h + (b * up + g) * T * arch.d_ff_dense / tp
     shared = arch.n_shared_experts * arch.d_expert
     d_loc = arch.d_expert / lay.etp
-    moe = (2 * b * T_sp * h + 4.0 * T_moe * arch.n_experts + M * ((g + b) * h + (b * up + g) * d_loc)
+    M_mean = M / LOAD_FACTOR                   # stored over many layers: the mean rows per rank
+    moe = (2 * b * T_sp * h + 4.0 * T_moe * arch.n_experts + M_mean * ((g + b) * h + (b * up + g) * d_loc)
            + (((g * T_sp * h) if fp8 else 0.0) + (b * up + g) * T * shared / tp if shared > 0 else 0.0))
     rank = 0 if stage == "first" else pp - 1
     held_mb = (pp - rank) if vpp == 1 else ((pp - rank - 1) * 2 + (vpp - 1) * pp + 1) / vpp
