@@ -64,7 +64,7 @@ def _expert_names(model: nn.Module) -> set[str]:
 
 def _wrap(tensor: torch.Tensor, meshes: Meshes) -> Any:
     # NOTE: from_local shares storage, so DCP's in-place load fills `tensor`.
-    return DTensor.from_local(tensor, meshes.expert, [Replicate(), Shard(0)], run_check=False)
+    return DTensor.from_local(tensor, meshes.expert_shard_mesh, [Replicate(), Shard(0)], run_check=False)
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, meshes: Meshes) -> dict[str, Any]:

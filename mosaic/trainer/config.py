@@ -104,28 +104,75 @@ class RunConfig:
 
 
 def trainer_precision(layout: ParallelLayout, device: str) -> str:
-    """Precision part 1 of the trainer computes in: fp32 on cpu, else fp32 or bf16 autocast."""
+    """The precision the trainer computes in: fp32 on cpu; fp32, bf16 autocast or fp8 (torchao) on cuda/npu.
+
+    fp16 layouts train in bf16 autocast (no loss scaling in the bundled trainer). fp8 needs
+    cuda, torchao (Float8Linear, tensorwise scaling) and a GPU with fp8 tensor cores (compute
+    capability 8.9 or newer: checked on the rank, `precision.check_fp8_device`); mxfp8 is refused.
+    """
+    if layout.precision == "mxfp8":
+        raise InputError("layout: precision=mxfp8 is not implemented in the bundled trainer (torchao MX training "
+                         "needs Blackwell GPUs); use precision=fp8 on cuda or precision=bf16")
+    if layout.precision == "fp8":
+        if device != "cuda":
+            raise InputError(f"layout: precision=fp8 needs a cuda GPU with fp8 tensor cores and torchao; on {device} "
+                             f"the trainer {'computes in fp32' if device == 'cpu' else 'has no fp8 kernels'}: use "
+                             f"precision={'fp32' if device == 'cpu' else 'bf16'}")
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            raise InputError("layout: precision=fp8 trains through torchao, which is not installed; "
+                             "pip install torchao, or use precision=bf16")
+        if layout.tp > 1:
+            raise InputError("layout: precision=fp8 with tp > 1 is not wired (torchao's float8 tensor-parallel "
+                             "styles); use tp=1 with fp8 or precision=bf16 with tensor parallel")
+        return "fp8"
     if device == "cpu":
         return "fp32"
-    if layout.precision in ("fp8", "mxfp8"):
-        raise InputError(f"layout: precision={layout.precision} needs trainer part 2 (fp8 through torchao); "
-                         "use precision=bf16 for now")
     return "fp32" if layout.precision == "fp32" else "bf16"
+
+
+def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
+    """What this trainer cannot run, beyond the shared validity rules (one message per reason)."""
+    problems = []
+    if layout.cp > 1:
+        problems.append(f"cp={layout.cp}: context parallel is not implemented in the bundled trainer; use cp=1")
+    if layout.etp > 1:
+        problems.append(f"etp={layout.etp}: expert-tensor parallel is not implemented in the bundled trainer; "
+                        "use etp=1 (Megatron-Core's recommendation for fine-grained experts) with ep")
+    if layout.tp > 1:
+        if model.seq_len % layout.tp:
+            problems.append(f"tp={layout.tp} must divide seq_len={model.seq_len} (MoE layers and sequence parallel "
+                            "split each sequence over the tp ranks); pick a divisor")
+        if model.tie_embeddings:
+            problems.append("tie_embeddings=true with tp > 1: tied embeddings are not split by the bundled "
+                            "trainer's tensor parallel; untie them or use tp=1")
+    if layout.tp == 1 and layout.sequence_parallel:
+        problems.append("sequence_parallel=true needs tp > 1; set it to false")
+    if layout.pp > 1:
+        m = layout.micro_batches()
+        if model.tie_embeddings:
+            problems.append("tie_embeddings=true with pp > 1: the embedding (first stage) and the LM head (last "
+                            "stage) would share a weight across stages; untie them or use pp=1")
+        if m < layout.pp:
+            problems.append(f"pp={layout.pp} needs at least pp micro-batches per step, got gbs/(mbs*dp)={m}; "
+                            "raise gbs or lower mbs")
+        elif layout.vpp > 1 and m % max(1, m // layout.pp):
+            problems.append(f"vpp={layout.vpp}: interleaved 1F1B needs the micro-batches m={m} to be a multiple "
+                            f"of m // pp = {m // layout.pp}; use m a multiple of pp={layout.pp}")
+    return problems
 
 
 def check_runnable(model: MoEArchitecture, layout: ParallelLayout, devices: int) -> ParallelLayout:
     """Every reason this (model, layout, devices) cannot run, as one InputError; else the resolved layout.
 
-    Uses the shared validity rules (`perfmodel.validity.violations`) and adds what
-    trainer part 1 cannot run yet (tensor, pipeline, context and expert-tensor parallel).
+    Uses the shared validity rules (`perfmodel.validity.violations`) and adds what the
+    bundled trainer cannot run (`trainer_limits`).
     """
     resolved = layout.resolve(devices) if layout.dp is None or layout.gbs is None else layout
     problems = validity.violations(model, resolved, devices)
-    unsupported = [f"{name}={getattr(resolved, name)}" for name in ("tp", "pp", "cp", "etp")
-                   if getattr(resolved, name) > 1]
-    if unsupported:
-        problems.append(f"{', '.join(unsupported)}: tensor, pipeline, context and expert-tensor parallel come with "
-                        "trainer part 2; use tp=pp=cp=etp=1 (data and expert parallel) for now")
+    if not problems:
+        problems = trainer_limits(model, resolved)
     if problems:
         raise InputError("layout cannot run: " + "; ".join(problems))
     return resolved

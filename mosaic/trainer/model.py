@@ -15,6 +15,7 @@ E experts, F expert width.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -58,7 +59,7 @@ class Attention(nn.Module):
         """Selective recompute: recompute the attention core (SDPA) in backward."""
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        repeat = self.n_heads // self.n_kv_heads
+        repeat = q.shape[1] // k.shape[1]
         if repeat > 1:  # GQA: each kv head serves `repeat` query heads
             k = k.repeat_interleave(repeat, dim=1)
             v = v.repeat_interleave(repeat, dim=1)
@@ -68,14 +69,15 @@ class Attention(nn.Module):
 
     def forward(self, x_BTH: torch.Tensor, positions_BT: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, _ = x_BTH.shape
-        q = rope(self.wq(x_BTH).view(B, T, self.n_heads, self.head_dim), positions_BT).transpose(1, 2)
-        k = rope(self.wk(x_BTH).view(B, T, self.n_kv_heads, self.head_dim), positions_BT).transpose(1, 2)
-        v = self.wv(x_BTH).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1: the heads of this rank (all of them on one device, n_heads/tp under tensor parallel)
+        q = rope(self.wq(x_BTH).view(B, T, -1, self.head_dim), positions_BT).transpose(1, 2)
+        k = rope(self.wk(x_BTH).view(B, T, -1, self.head_dim), positions_BT).transpose(1, 2)
+        v = self.wv(x_BTH).view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.checkpoint_core and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self.core, q, k, v, mask, use_reentrant=False)
         else:
             out = self.core(q, k, v, mask)  # (B, n_heads, T, D)
-        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -161,6 +163,10 @@ class Router(nn.Module):
         self.n_experts, self.top_k, self.kind = n_experts, top_k, kind
         self.gate = nn.Linear(d_model, n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
+        self.sum_over_token_shards: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        """Set by tensor parallel, which splits a micro-batch's tokens over the tp ranks for the MoE
+        layer: sums a per-rank statistic over those ranks (forward all-reduce, backward identity), so
+        the auxiliary loss is the one of the whole micro-batch. None on one device."""
 
     def forward(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns weights (N, K), expert ids (N, K), aux loss (scalar), counts (E,)."""
@@ -176,8 +182,17 @@ class Router(nn.Module):
             top_logits, ids_NK = torch.topk(logits_NE, self.top_k, dim=-1)
             weights_NK = torch.softmax(top_logits, dim=-1)
             counts = torch.bincount(ids_NK.flatten(), minlength=self.n_experts).float()
-            fraction_E = counts / ids_NK.numel()
-            aux = self.n_experts * (fraction_E * probs_NE.mean(0)).sum()
+            if self.sum_over_token_shards is None:
+                fraction_E = counts / ids_NK.numel()
+                mean_prob_E = probs_NE.mean(0)
+            else:  # the statistics of the whole micro-batch from the tp ranks' token shards
+                n = counts.new_tensor([float(x_NH.shape[0])])
+                total = self.sum_over_token_shards(torch.cat([probs_NE.sum(0), counts, n]))
+                E = self.n_experts
+                n_all = total[2 * E]
+                fraction_E = total[E:2 * E] / (n_all * self.top_k)
+                mean_prob_E = total[:E] / n_all
+            aux = self.n_experts * (fraction_E * mean_prob_E).sum()
         counts_E = torch.bincount(ids_NK.flatten(), minlength=self.n_experts)
         return weights_NK.to(x_NH.dtype), ids_NK, aux, counts_E
 
@@ -240,7 +255,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.arch = arch
         self.tok_embeddings = nn.Embedding(arch.vocab_size, arch.d_model)
-        self.layers = nn.ModuleList([Block(arch, i, router, experts_impl) for i in range(arch.n_layers)])
+        # keyed by the layer index, so a pipeline chunk that keeps some layers keeps their names
+        self.layers = nn.ModuleDict({str(i): Block(arch, i, router, experts_impl) for i in range(arch.n_layers)})
         self.norm = nn.RMSNorm(arch.d_model, eps=1e-6)
         self.output = nn.Linear(arch.d_model, arch.vocab_size, bias=False)
         if arch.tie_embeddings:
@@ -263,20 +279,31 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, std=std)
 
     def moe_layers(self) -> list[MoE]:
-        return [b.ffn for b in self.layers if isinstance(b.ffn, MoE)]
+        return [b.ffn for b in self.layers.values() if isinstance(b.ffn, MoE)]
 
     def forward(self, tokens_BT: torch.Tensor, positions_BT: Optional[torch.Tensor] = None,
-                doc_ids_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T = tokens_BT.shape
+                doc_ids_BT: Optional[torch.Tensor] = None,
+                aux_in: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) tokens -> ((B, T, V) logits, aux loss summed over this model's MoE layers + aux_in).
+
+        A pipeline chunk (see pipeline.py) is this model with some parts removed: without
+        `tok_embeddings` its input is the (B, T, H) hidden state of the previous chunk, without
+        `output` (and `norm`) it returns the hidden state instead of logits.
+        """
+        B, T = tokens_BT.shape[:2]
         if positions_BT is None:
             positions_BT = torch.arange(T, device=tokens_BT.device)[None].expand(B, T)
         mask = document_causal_mask(doc_ids_BT) if doc_ids_BT is not None else None
-        x = self.tok_embeddings(tokens_BT)
-        aux_total = x.new_zeros((), dtype=torch.float32)
-        for block in self.layers:
+        x = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
+        aux_total = aux_in if aux_in is not None else torch.zeros((), dtype=torch.float32, device=x.device)
+        for block in self.layers.values():
             if self.checkpoint_blocks and torch.is_grad_enabled():
                 x, aux = torch.utils.checkpoint.checkpoint(block, x, positions_BT, mask, use_reentrant=False)
             else:
                 x, aux = block(x, positions_BT, mask)
             aux_total = aux_total + aux
-        return self.output(self.norm(x)), aux_total
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.output is not None:
+            x = self.output(x)
+        return x, aux_total

@@ -1,19 +1,25 @@
 """Parallelism as functions applied to the single-device model over DeviceMeshes.
 
-Order (as `parallelize` applies them):
-  1. `apply_ep`  experts resident on their expert-parallel rank; tokens moved by
+Order (as `parallelize` applies them; torchtitan's order):
+  0. `apply_pp`  (pipeline.py, pp > 1) split into pipeline chunks; each chunk then gets 1-4.
+  1. `apply_tp`  (tensor_parallel.py) DTensor column/row-wise plans for attention, dense FFN,
+                 shared experts, embedding and head (+ sequence parallel); MoE layers run on
+                 this rank's sequence shard.
+  2. `apply_ep`  experts resident on their expert-parallel rank; tokens moved by
                  `all_to_all_single` with variable splits (dispatch and combine live
                  here, outside the MoE module).
-  2. `apply_ac`  activation recompute (none / selective: attention core / full: each block).
-  3. `apply_dp`  data parallel for the NON-expert parameters: DDP (`ddp`), FSDP2
-                 `fully_shard` keeping weights gathered through the step (`zero1`:
-                 optimizer state and gradients sharded) or resharding after forward (`fsdp`).
+  3. `apply_ac`  activation recompute (none / selective: attention core / full: each block).
+  4. `apply_dp`  data parallel for the NON-expert parameters: DDP (`ddp`; FSDP2 `replicate`
+                 with tensor parallel), FSDP2 `fully_shard` keeping weights gathered through
+                 the step (`zero1`: optimizer state and gradients sharded) or resharding
+                 after forward (`fsdp`).
 Expert parameters are replicated over the expert-data-parallel group (edp) and
 their gradients all-reduced there by `reduce_expert_grads`.
 
-Ranks (Megatron-Core MoE parallel folding, part 1: tp = cp = pp = 1): the dense
-mesh is ("dp",) over all ranks; the expert mesh is ("edp", "ep") over the same
-ranks with ep innermost, so an expert-parallel group is ep consecutive ranks.
+Ranks: the dense mesh is ("pp", "dp", "cp", "tp") (tp innermost); the expert mesh is
+("pp", "edp", "ep", "etp") over the same ranks (Megatron-Core MoE parallel folding:
+etp*ep*edp = tp*cp*dp within each pipeline stage), so with tp = 2 and ep = 2 an
+expert-parallel group is a tensor-parallel group, whose ranks route distinct token shards.
 
 Gradient scaling: every rank's objective is dp * (its share of the global loss),
 so averaging over dp (DDP/FSDP) gives the global-batch gradient. An expert on one
@@ -33,22 +39,48 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mosaic.trainer.model import GroupedExperts, MoE, Transformer
+from mosaic.trainer.tensor_parallel import apply_tp
 from perfmodel.specs.layout import ParallelLayout
 
 
 @dataclass
 class Meshes:
-    """The dense and expert meshes of one run (part 1: dp and (edp, ep))."""
+    """The dense and expert meshes of one run, with named sub-meshes.
+
+    dense:  ("pp", "dp", "cp", "tp") over all ranks, tp innermost (torchtitan order).
+    expert: ("pp", "edp", "ep", "etp") over the same ranks: within each pipeline stage the
+            tp*cp*dp ranks are refactored as edp*ep*etp (Megatron-Core MoE parallel folding,
+            expert order tp-ep-dp-pp), so an expert-parallel group is ep consecutive etp-blocks.
+    """
 
     dense: DeviceMesh
     expert: DeviceMesh
+    pp: int
     dp: int
+    tp: int
     ep: int
+    etp: int
     edp: int
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.dense["dp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.dense["tp"]
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.dense.get_group("dp")
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.dense.get_group("tp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.dense.get_group("pp")
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
@@ -62,14 +94,30 @@ class Meshes:
     def ep_rank(self) -> int:
         return self.expert.get_local_rank("ep")
 
+    @property
+    def pp_rank(self) -> int:
+        return self.dense.get_local_rank("pp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dense.get_local_rank("dp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.dense.get_local_rank("tp")
+
+    @property
+    def expert_shard_mesh(self) -> DeviceMesh:
+        """("edp", "ep") of this pipeline stage: experts replicated over edp, split over ep."""
+        return self.expert["edp", "ep"]
+
 
 def build_meshes(layout: ParallelLayout, device_type: str) -> Meshes:
-    dp = int(layout.dp)
-    ep = layout.ep
-    edp = layout.edp()
-    dense = init_device_mesh(device_type, (dp,), mesh_dim_names=("dp",))
-    expert = init_device_mesh(device_type, (edp, ep), mesh_dim_names=("edp", "ep"))
-    return Meshes(dense=dense, expert=expert, dp=dp, ep=ep, edp=edp)
+    dp, pp, cp, tp = int(layout.dp), layout.pp, layout.cp, layout.tp
+    ep, etp, edp = layout.ep, layout.etp, layout.edp()
+    dense = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    expert = init_device_mesh(device_type, (pp, edp, ep, etp), mesh_dim_names=("pp", "edp", "ep", "etp"))
+    return Meshes(dense=dense, expert=expert, pp=pp, dp=dp, tp=tp, ep=ep, etp=etp, edp=edp)
 
 
 # ---------------------------------------------------------------------------
@@ -178,7 +226,7 @@ def apply_ep(model: Transformer, meshes: Meshes) -> None:
 def apply_ac(model: Transformer, mode: str) -> None:
     """none; selective: recompute the attention core (SDPA); full: recompute every block."""
     model.checkpoint_blocks = mode == "full"
-    for block in model.layers:
+    for block in model.layers.values():
         block.attn.checkpoint_core = mode == "selective"
 
 
@@ -189,30 +237,45 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters(recurse=False)]
 
 
-def apply_dp(model: Transformer, meshes: Meshes, flavor: str) -> nn.Module:
-    """Data parallel over the dense mesh for every parameter except the routed experts."""
+def apply_dp(model: Transformer, meshes: Meshes, flavor: str, root: Optional[nn.Module] = None) -> nn.Module:
+    """Data parallel over the dp mesh for every parameter except the routed experts.
+
+    `root` (default: `model`) is the module that is called: a pipeline stage module around
+    `model`. Returns the module to call (a DDP wrapper for ddp without tensor parallel).
+    """
+    root = model if root is None else root
     if meshes.dp == 1:
-        return model
+        return root
     experts = set(expert_parameters(model))
+    if flavor == "ddp" and (meshes.tp > 1 or meshes.pp > 1):
+        # DistributedDataParallel takes neither DTensor (tensor-parallel) parameters nor the
+        # pipeline schedule's shape-inference backward; FSDP2's replicate() is DDP (replicated
+        # weights, gradients averaged over dp) that does.
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for block in model.layers.values():
+            replicate(block, mesh=meshes.dp_mesh, ignored_params=experts)
+        replicate(root, mesh=meshes.dp_mesh, ignored_params=experts)
+        return root
     if flavor == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        names = [n for n, p in model.named_parameters() if p in experts]
-        DDP._set_params_and_buffers_to_ignore_for_model(model, names)
-        return DDP(model, process_group=meshes.dp_group, forward_sync_buffers=False)
+        names = [n for n, p in root.named_parameters() if p in experts]
+        DDP._set_params_and_buffers_to_ignore_for_model(root, names)
+        return DDP(root, process_group=meshes.dp_group, forward_sync_buffers=False)
     from torch.distributed.fsdp import fully_shard
 
     reshard = flavor == "fsdp"  # zero1: weights stay gathered from forward to backward
-    for block in model.layers:
-        fully_shard(block, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=experts)
-    fully_shard(model, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=experts)
-    return model
+    for block in model.layers.values():
+        fully_shard(block, mesh=meshes.dp_mesh, reshard_after_forward=reshard, ignored_params=experts)
+    fully_shard(root, mesh=meshes.dp_mesh, reshard_after_forward=reshard, ignored_params=experts)
+    return root
 
 
 def reduce_expert_grads(model: nn.Module, meshes: Meshes) -> None:
     """Sum expert gradients over edp, divide by dp (see the module docstring)."""
     params = expert_parameters(model)
-    if not params or meshes.dp == 1:
+    if not params or (meshes.dp == 1 and meshes.edp == 1):
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.flatten() for g in grads])
@@ -227,28 +290,39 @@ def reduce_expert_grads(model: nn.Module, meshes: Meshes) -> None:
 
 
 def clip_grad_norm(model: nn.Module, meshes: Meshes, max_norm: float) -> torch.Tensor:
-    """Global gradient norm over dense (replicated or FSDP-sharded) and expert (ep-sharded) parameters."""
+    """Global gradient norm over every parameter of every rank, each counted once.
+
+    DTensor gradients (tensor parallel, FSDP) give their global square sums through DTensor
+    (`full_tensor`: sharded dims summed, replicated ones not); plain non-expert gradients are
+    replicated; expert gradients are split over ep; pipeline stages hold disjoint parameters.
+    """
     from torch.distributed.tensor import DTensor
 
-    experts = set(expert_parameters(model))
+    experts = {id(p) for p in expert_parameters(model)}
     device = next(model.parameters()).device
-    sharded_sq = torch.zeros((), device=device)
+    by_spec: dict = {}
     replicated_sq = torch.zeros((), device=device)
     expert_sq = torch.zeros((), device=device)
     for p in model.parameters():
         if p.grad is None:
             continue
-        if p in experts:
+        if id(p) in experts:
             expert_sq += p.grad.float().pow(2).sum()
         elif isinstance(p.grad, DTensor):
-            sharded_sq += p.grad.to_local().float().pow(2).sum()
+            key = (p.grad.device_mesh, tuple(p.grad.placements))
+            sq = p.grad.float().pow(2).sum()
+            by_spec[key] = sq if key not in by_spec else by_spec[key] + sq
         else:
             replicated_sq += p.grad.float().pow(2).sum()
-    if meshes.dp > 1 and any(isinstance(p, DTensor) for p in model.parameters()):
-        dist.all_reduce(sharded_sq, group=meshes.dp_group)
+    sharded_sq = torch.zeros((), device=device)
+    for key in sorted(by_spec, key=repr):  # the same order on every rank
+        sharded_sq += by_spec[key].full_tensor()
     if meshes.ep > 1:
         dist.all_reduce(expert_sq, group=meshes.ep_group)
-    total = (sharded_sq + replicated_sq + expert_sq).sqrt()
+    total_sq = sharded_sq + replicated_sq + expert_sq
+    if meshes.pp > 1:
+        dist.all_reduce(total_sq, group=meshes.pp_group)
+    total = total_sq.sqrt()
     if max_norm > 0:
         # NOTE: host-device sync (one scalar per step).
         scale = min(1.0, max_norm / (float(total) + 1e-6))
@@ -260,10 +334,21 @@ def clip_grad_norm(model: nn.Module, meshes: Meshes, max_norm: float) -> torch.T
 
 
 def parallelize(model: Transformer, layout: ParallelLayout, meshes: Meshes) -> nn.Module:
-    """Apply EP, recompute and DP in that order; returns the module to call (maybe a DDP wrapper)."""
+    """Apply TP, EP, recompute and DP in that order; returns the module to call (maybe a DDP wrapper)."""
+    apply_tp(model, meshes.tp_mesh, layout.sequence_parallel)
     apply_ep(model, meshes)
     apply_ac(model, layout.recompute)
     return apply_dp(model, meshes, layout.dp_flavor)
+
+
+def parallelize_stage(chunk: Transformer, layout: ParallelLayout, meshes: Meshes) -> nn.Module:
+    """One pipeline chunk: TP, EP, recompute, then DP around its stage module (see pipeline.py)."""
+    from mosaic.trainer.pipeline import StageModule
+
+    apply_tp(chunk, meshes.tp_mesh, layout.sequence_parallel)
+    apply_ep(chunk, meshes)
+    apply_ac(chunk, layout.recompute)
+    return apply_dp(chunk, meshes, layout.dp_flavor, root=StageModule(chunk))
 
 
 def unwrap(module: nn.Module) -> Transformer:

@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,11 @@ from mosaic.trainer.parallelize import (
     clip_grad_norm,
     moe_layers,
     parallelize,
+    parallelize_stage,
     reduce_expert_grads,
 )
+from mosaic.trainer.pipeline import Pipeline, apply_pp
+from mosaic.trainer.precision import apply_fp8, autocast_context
 from perfmodel.clusters import load_cluster
 from perfmodel.specs.strict import write_text_atomic
 
@@ -94,8 +97,24 @@ def _update_router_bias(layers: list[Any], global_load: torch.Tensor, rate: floa
             moe.router.expert_bias += rate * torch.sign(load.mean() - load).to(moe.router.expert_bias.device)
 
 
-def run(config: RunConfig) -> list[dict[str, Any]]:
-    """Train for `config.train.steps` steps; returns rank 0's metrics rows of this invocation."""
+def arch_moe_layers(arch: Any) -> int:
+    return arch.n_layers - arch.n_dense_layers if arch.n_experts > 0 else 0
+
+
+def _moe_rows(arch: Any, module: torch.nn.Module) -> list[int]:
+    """Index among the model's MoE layers of each MoE layer `module` holds (in `moe_layers` order)."""
+    from mosaic.trainer.parallelize import unwrap
+
+    keys = [int(k) for k, b in unwrap(module).layers.items() if b.is_moe]
+    return [k - arch.n_dense_layers for k in keys]
+
+
+def run(config: RunConfig, keep_process_group: bool = False) -> list[dict[str, Any]]:
+    """Train for `config.train.steps` steps; returns rank 0's metrics rows of this invocation.
+
+    `keep_process_group`: leave the process group up for another run in the same processes
+    (tests run several layouts in one torchrun launch).
+    """
     device = init_distributed(config)
     rank, world = dist.get_rank(), dist.get_world_size()
     arch, layout, opts = config.model, config.layout, config.train
@@ -108,9 +127,20 @@ def run(config: RunConfig) -> list[dict[str, Any]]:
     meshes = build_meshes(layout, device.type)
     model = Transformer(arch, router=opts.router, experts_impl=opts.experts)  # same weights on every rank (seed)
     model.to(device)
-    module = parallelize(model, layout, meshes)
+    if config.precision == "fp8":
+        apply_fp8(model, device)
+    pipe: Optional[Pipeline] = None
+    if layout.pp > 1:  # this rank's chunks as pipeline stages; `module` holds their parameters
+        pipe = apply_pp(model, layout, meshes, device, lambda chunk: parallelize_stage(chunk, layout, meshes),
+                        opts.aux_loss_coef, torch.float32 if config.precision == "fp32" else torch.bfloat16)
+        module: torch.nn.Module = pipe.rank_model
+    else:
+        module = parallelize(model, layout, meshes)
     optimizer = build_optimizer(module, config)
     layers = moe_layers(module)
+    # rows of the global (MoE layer, expert) load table this rank fills (pipeline stages hold different layers)
+    moe_rows = _moe_rows(arch, module)
+    last_stage = pipe is None or pipe.has_last
 
     start_step = 0
     if opts.resume:
@@ -119,9 +149,9 @@ def run(config: RunConfig) -> list[dict[str, Any]]:
             start_step = checkpoint.load(latest, module, optimizer, meshes)
     log = MetricsLog(out / "metrics.jsonl", start_step) if rank == 0 else None
     source = make_source(opts.data, arch.vocab_size, arch.seq_len, opts.seed)
-    dp_rank = meshes.dense.get_local_rank("dp")
+    dp_rank = meshes.dp_rank
     micro_batches = layout.gbs // (layout.mbs * meshes.dp)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if config.precision == "bf16" else nullcontext())
+    autocast = autocast_context(config.precision, device)
     fault = os.environ.get(FAULT_ENV, "")
     fault_rank, fault_step = (int(v) for v in fault.split(":")) if fault else (-1, -1)
 
@@ -141,12 +171,20 @@ def run(config: RunConfig) -> list[dict[str, Any]]:
             # NOTE: host-device sync: the global count of target tokens normalises the loss exactly.
             n_local = sum(int((labels != -100).sum()) for _, labels, _, _ in batches)
             n_global = torch.tensor([n_local], dtype=torch.int64, device=device)
-            dist.all_reduce(n_global)
+            dist.all_reduce(n_global, group=meshes.dp_group)  # tp and pp ranks of a replica see the same batch
             n_global_f = float(n_global)
             ce_sum = torch.zeros((), dtype=torch.float64, device=device)
             aux_sum = torch.zeros((), dtype=torch.float64, device=device)
             for moe in layers:
                 moe.reset_load()
+            if pipe is not None:
+                tokens, labels, positions, doc_ids = (None if t[0] is None else torch.cat(t).to(device)
+                                                      for t in zip(*batches))
+                pipe.loss.n_global = n_global_f
+                with autocast:
+                    pipe.step(tokens, labels, positions, doc_ids)
+                ce_sum, aux_sum = (t.to(device) for t in pipe.loss.take())
+                batches = []
             for i, (tokens, labels, positions, doc_ids) in enumerate(batches):
                 tokens, labels, positions = tokens.to(device), labels.to(device), positions.to(device)
                 doc_ids = doc_ids.to(device) if doc_ids is not None else None
@@ -165,17 +203,21 @@ def run(config: RunConfig) -> list[dict[str, Any]]:
             clip_grad_norm(module, meshes, opts.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loads = torch.stack([moe.load_E for moe in layers]) if layers else torch.zeros(0, 1, dtype=torch.long, device=device)
-            stats = torch.cat([torch.stack([ce_sum, aux_sum]), loads.flatten().double()])
+            loads = torch.zeros(arch_moe_layers(arch), max(arch.n_experts, 1), dtype=torch.float64, device=device)
+            for row, moe in zip(moe_rows, layers):
+                loads[row] = moe.load_E.to(device).double()
+            # the loss is counted once per replica: by its last pipeline stage's first tp rank
+            counted = 1.0 if meshes.tp_rank == 0 and last_stage else 0.0
+            stats = torch.cat([torch.stack([ce_sum, aux_sum]) * counted, loads.flatten()])
             dist.all_reduce(stats)  # NOTE: host-device sync below (.tolist())
             global_load = stats[2:].view_as(loads)
-            _update_router_bias(layers, global_load, opts.bias_update_rate)
+            _update_router_bias(layers, global_load[moe_rows], opts.bias_update_rate)
             step_time = time.perf_counter() - t0
             a2a_s += A2ATimer.take()
             if rank == 0:
                 loss, aux_total = (stats[:2] / torch.tensor([n_global_f, micro_batches * meshes.dp], dtype=torch.float64)).tolist()
                 load = global_load.double()
-                imbalance = float((load.max(1).values / load.mean(1)).mean()) if layers else 1.0
+                imbalance = float((load.max(1).values / load.mean(1)).mean()) if load.numel() else 1.0
                 row = step_metrics(step=step + 1, loss=loss, aux_loss=aux_total, step_time_s=step_time,
                                    tokens=layout.gbs * arch.seq_len, arch=arch, world=world, peak_flops_per_s=peak,
                                    peak_memory_bytes=peak_memory_bytes(config.device), expert_imbalance=imbalance)
@@ -197,7 +239,8 @@ def run(config: RunConfig) -> list[dict[str, Any]]:
         }
         write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     dist.barrier()
-    dist.destroy_process_group()
+    if not keep_process_group:
+        dist.destroy_process_group()
     return rows
 
 
