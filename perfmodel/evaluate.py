@@ -7,8 +7,8 @@ configuration is a batch of one). For each candidate:
    device; time of an op and phase = max(FLOPs / (peak * eff_compute(kernel
    FLOPs)), bytes / (HBM bandwidth * eff_memory(bytes per kernel))), with the
    efficiency curves of the cluster file per precision (GEMMs at the layout's
-   precision, the flash-attention core at bf16), read at the op's forward size
-   for all three phases.
+   precision; the flash-attention core, router and LM head at bf16 under
+   fp8/mxfp8), read at the op's forward size for all three phases.
 2. Collectives (`perfmodel.comm`) priced on the fabric levels their groups
    span. Each phase's communication hides behind that phase's overlappable
    compute (GEMMs, attention), at most the cluster's `overlap` fraction of it,
@@ -108,7 +108,8 @@ _BLOCK_BUILDERS = (("attention", attention_ops), ("dense_ffn", dense_ffn_ops), (
                    ("embedding", embedding_ops), ("head", head_ops))
 _LAYER_BLOCKS = ("attention", "dense_ffn", "moe")
 _CATS = ("compute", "attention", "expert_gemm")
-_KIND_CAT = {"gemm": "compute", "memory": "compute", "attention": "attention", "expert_gemm": "expert_gemm"}
+_KIND_CAT = {"gemm": "compute", "gemm_hp": "compute", "memory": "compute", "attention": "attention",
+             "expert_gemm": "expert_gemm"}
 _COMM_CLASS = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "ep"}
 
 
@@ -301,8 +302,9 @@ class _Hardware:
             return np.interp(np.clip(np.log10(size), lo, hi) + shift, xs, ys)
 
     def compute_rate(self, kind: str, kernel_flops: Any) -> Any:
-        """Achieved FLOP/s: peak x eff_compute(FLOPs of one kernel call)."""
-        if kind == "attention":
+        """Achieved FLOP/s: peak x eff_compute(FLOPs of one kernel call). Attention and the
+        bf16 GEMMs (gemm_hp: router, LM head) run at bf16 under fp8/mxfp8."""
+        if kind in ("attention", "gemm_hp"):
             return self.attn_peak * self._eff("attention", self.attn_present, kernel_flops)
         return self.gemm_peak * self._eff("gemm", self.gemm_present, kernel_flops)
 
@@ -343,9 +345,11 @@ class _Collectives:
 def op_times(op: Any, hw: _Hardware) -> tuple[Any, Any, Any]:
     """Seconds of one op per phase (fwd, dgrad, wgrad): max(FLOPs / (peak x eff_compute),
     bytes / (HBM bw x eff_memory)). The efficiencies are looked up once, at the op's forward
-    size (FLOPs of one kernel call; bytes per kernel), and hold for all three phases: the
-    input- and weight-gradient kernels work on the same matrices."""
-    mem_rate = hw.bw * hw.memory_efficiency(op.bytes[0], op.kernels[0])
+    size (FLOPs of one kernel call; bytes per kernel; `op.size_phase` for an op without
+    forward work), and hold for all three phases: the input- and weight-gradient kernels
+    work on the same matrices."""
+    j0 = op.size_phase
+    mem_rate = hw.bw * hw.memory_efficiency(op.bytes[j0], op.kernels[j0])
     rate = None if op.kind == "memory" else hw.compute_rate(op.kind, op.kernel_flops[0])
     out = []
     for j in range(3):

@@ -32,6 +32,26 @@ Conventions and sources
 - Dropout is not modelled (LLaMA/Mixtral/DeepSeek pre-training uses none).
 - Element sizes: activations 2 B (4 B for fp32 training); GEMM operands 1 B
   under fp8/mxfp8 (Transformer Engine casts GEMM inputs, outputs stay bf16).
+- FP8 scope: only the transformer layers' linear GEMMs run at the fp8 peak. The
+  router is a plain (bf16/fp32) linear in Megatron-Core (`TopKRouter`), and the LM
+  head stays bf16: Megatron's `output_layer` is a `tensor_parallel.ColumnParallelLinear`,
+  not a Transformer Engine module, and torchtitan's float8 converter skips `output`
+  by default (`filter_fqns`). Both are `gemm_hp` (priced like attention: bf16).
+- FP8 casts (`fp8_cast_ops`): every fp8 GEMM quantises its activation input in
+  the forward pass and its output gradient in the backward pass, as separate
+  memory-bound kernels, except where Transformer Engine fuses the cast into the
+  producing kernel (LayerNormLinear / LayerNormMLP: the QKV and dense-FFN up
+  inputs come out of the norm in fp8, the FFN down input out of the activation,
+  and the up projection's gradient out of the activation's backward). `fp8` is
+  tensor-wise CURRENT scaling (Megatron-Bridge "FP8-CS", torchtitan float8
+  tensorwise): the amax of the tensor must be known before the cast, one extra
+  read (TE docs, "FP8 Current Scaling"); and Hopper FP8 GEMMs take only the TN
+  layout, so each tensor is written rowwise and columnwise (TE docs,
+  "Performance considerations: handling transposes"): per element 2b read + 2 B
+  written, 2 kernels. `mxfp8` computes its per-32-element scales inside the
+  cast (one read) and writes rowwise and columnwise data with their E8M0 scales:
+  b + 2·(1 + 1/32) B, 1 kernel (TE docs, "MXFP8"). Weights are cast once per
+  step (TE caches them across micro-batches, `is_first_microbatch`): not counted.
 """
 
 from __future__ import annotations
@@ -46,10 +66,11 @@ from perfmodel.specs.layout import DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES
 PHASES = ("fwd", "dgrad", "wgrad")
 """Forward, input-gradient, weight-gradient."""
 
-KINDS = ("gemm", "attention", "expert_gemm", "memory")
-"""gemm: a dense matmul at the layout's precision; attention: the flash-attention
-core (bf16); expert_gemm: routed experts' grouped GEMM; memory: bandwidth-bound
-elementwise/permutation kernels (norms, activations, residuals, softmax)."""
+KINDS = ("gemm", "gemm_hp", "attention", "expert_gemm", "memory")
+"""gemm: a dense matmul at the layout's precision; gemm_hp: a matmul that stays in
+bf16 under fp8/mxfp8 (router, LM head); attention: the flash-attention core (bf16);
+expert_gemm: routed experts' grouped GEMM; memory: bandwidth-bound
+elementwise/permutation kernels (norms, activations, residuals, softmax, fp8 casts)."""
 
 BLOCKS = ("attention", "dense_ffn", "moe", "embedding", "head")
 
@@ -102,6 +123,15 @@ def activation_bytes(lay: Any) -> Any:
     return np.where(precision_code(lay) == FP32, 4.0, 2.0)
 
 
+def fp8_cast_bytes_per_element(lay: Any) -> tuple[Any, Any]:
+    """(HBM bytes, kernels) per quantised element under fp8 (current scaling) and mxfp8;
+    0 for other precisions (see the module doc, "FP8 casts")."""
+    code = precision_code(lay)
+    b = activation_bytes(lay)
+    nbytes = np.where(code == FP8, 2.0 * b + 2.0, np.where(code == MXFP8, b + 2.0 * (1.0 + 1.0 / 32.0), 0.0))
+    return nbytes, np.where(code == FP8, 2.0, np.where(code == MXFP8, 1.0, 0.0))
+
+
 def gemm_operand_bytes(lay: Any) -> Any:
     """Bytes per GEMM operand element: 1 under fp8/mxfp8, else the activation size."""
     return np.where(precision_code(lay) >= FP8, 1.0, activation_bytes(lay))
@@ -128,6 +158,9 @@ class Op:
     kernels: tuple[Any, Any, Any]
     kernel_flops: tuple[Any, Any, Any]
     overlappable: bool
+    size_phase: int = 0
+    """The phase whose kernel size sets the efficiencies of all three (the forward,
+    unless the op has no forward work, like a cast that only exists backward)."""
 
     def row(self, i: int | None = None) -> dict[str, Any]:
         """Plain numbers (of candidate i for a batch) for tables and JSON."""
@@ -175,11 +208,20 @@ def _gemm(name: str, block: str, kind: str, m: Any, k: Any, n: Any, b_in: Any, b
               (1.0, 1.0, 1.0), (size, size, size), True)
 
 
-def _memory(name: str, block: str, fwd_bytes: Any, bwd_bytes: Any, kernels_fwd: float = 1.0,
-            kernels_bwd: float = 1.0) -> Op:
+def _memory(name: str, block: str, fwd_bytes: Any, bwd_bytes: Any, kernels_fwd: Any = 1.0,
+            kernels_bwd: Any = 1.0, size_phase: int = 0) -> Op:
     """A bandwidth-bound kernel (its few FLOPs per element are not the limit)."""
     return Op(name, block, "memory", (0.0, 0.0, 0.0), (fwd_bytes, bwd_bytes, 0.0),
-              (kernels_fwd, kernels_bwd, 0.0), (0.0, 0.0, 0.0), False)
+              (kernels_fwd, kernels_bwd, 0.0), (0.0, 0.0, 0.0), False, size_phase)
+
+
+def _fp8_cast(block: str, lay: Any, fwd_elements: Any, bwd_elements: Any, casts_fwd: float,
+              casts_bwd: float) -> Op:
+    """The separate fp8 quantisation kernels of a block's fp8 GEMMs (zero unless fp8/mxfp8)."""
+    per_element, kernels = fp8_cast_bytes_per_element(lay)
+    return _memory("fp8_cast", block, per_element * fwd_elements, per_element * bwd_elements,
+                   kernels * casts_fwd, kernels * casts_bwd,
+                   size_phase=1 if np.ndim(casts_fwd) == 0 and casts_fwd == 0 else 0)
 
 
 _SHAPES_CACHE: list[Any] = [None, None, None]
@@ -264,6 +306,8 @@ def attention_ops(arch: Any, lay: Any) -> list[Op]:
         _memory("rope", "attention", rope_bytes, rope_bytes),
         core,
         _gemm("out_proj", "attention", "gemm", T, h_q / tp, h, b_in, b),
+        # fwd: out_proj input (QKV input comes from the fused norm); bwd: both output gradients
+        _fp8_cast("attention", lay, T * h_q / tp, T * (h + (h_q + 2.0 * h_kv) / tp), 1.0, 2.0),
         _memory("attn_residual", "attention", sh["norm_bwd_bytes"], sh["norm_bwd_bytes"]),
     ]
 
@@ -287,6 +331,9 @@ def dense_ffn_ops(arch: Any, lay: Any) -> list[Op]:
     return [
         _memory("ffn_norm", "dense_ffn", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
         *_mlp_ops("ffn", "dense_ffn", sh, width, b, b_in),
+        # LayerNormMLP fuses the up input and down input casts and the up gradient's;
+        # the down projection's output gradient is cast on its own
+        _fp8_cast("dense_ffn", lay, 0.0, sh["T"] * sh["h"], 0.0, 1.0),
         _memory("ffn_residual", "dense_ffn", sh["norm_bwd_bytes"], sh["norm_bwd_bytes"]),
     ]
 
@@ -306,7 +353,7 @@ def moe_ops(arch: Any, lay: Any) -> list[Op]:
     permute_bytes = 2.0 * b * copies * h
     ops = [
         _memory("moe_norm", "moe", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
-        _gemm("router", "moe", "gemm", T_moe, h, E, b, 4.0),
+        _gemm("router", "moe", "gemm_hp", T_moe, h, E, b, 4.0),
         _memory("router_topk", "moe", 4.0 * T_moe * E * 2.0, 4.0 * T_moe * E * 3.0, 3.0, 3.0),
         _memory("permute", "moe", permute_bytes, permute_bytes, 2.0, 2.0),
         _gemm("expert_up", "moe", "expert_gemm", M, h, np.where(gated, 2.0, 1.0) * d_local, b_in, b,
@@ -318,6 +365,15 @@ def moe_ops(arch: Any, lay: Any) -> list[Op]:
     ]
     shared_width = np.asarray(arch.n_shared_experts, dtype=float) * np.asarray(arch.d_expert, dtype=float)
     ops += _mlp_ops("shared", "moe", sh, shared_width, b, b_in)
+    # grouped experts (TE GroupedLinear, no norm/activation fusion): both inputs forward,
+    # both output gradients backward; shared experts (plain TE linears on the normed
+    # input): up and down inputs forward, down and up gradients backward
+    up = np.where(gated, 2.0, 1.0)
+    shared_w = shared_width / sh["tp"]
+    has_shared = np.where(shared_width > 0, 1.0, 0.0)
+    ops.append(_fp8_cast("moe", lay, M * (h + d_local) + sh["T"] * (h + shared_w) * has_shared,
+                         M * (h + up * d_local) + sh["T"] * (h + up * shared_w) * has_shared,
+                         2.0 + 2.0 * has_shared, 2.0 + 2.0 * has_shared))
     ops.append(_memory("moe_residual", "moe", sh["norm_bwd_bytes"], sh["norm_bwd_bytes"]))
     return ops
 
@@ -332,14 +388,15 @@ def embedding_ops(arch: Any, lay: Any) -> list[Op]:
 
 
 def head_ops(arch: Any, lay: Any) -> list[Op]:
-    """Final norm, vocab-parallel LM head, fp32 softmax cross-entropy (last stage)."""
+    """Final norm, vocab-parallel LM head (bf16 even under fp8, see the module doc), fp32
+    softmax cross-entropy (last stage)."""
     sh = shapes(arch, lay)
-    b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
+    b = activation_bytes(lay)
     T, h, V, tp = sh["T"], sh["h"], sh["V"], sh["tp"]
     logits = T * V / tp
     return [
         _memory("final_norm", "head", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
-        _gemm("lm_head", "head", "gemm", T, h, V / tp, b_in, b),
+        _gemm("lm_head", "head", "gemm_hp", T, h, V / tp, b, b),
         # forward reads bf16 logits, writes and re-reads fp32 (max, exp-sum, loss);
         # backward writes the fp32 softmax gradient and the bf16 logit gradient.
         _memory("cross_entropy", "head", (b + 8.0) * logits, (4.0 + b) * logits, 4.0, 2.0),

@@ -59,9 +59,10 @@ class _Device:
     def op_phase_seconds(self, op: dict[str, Any]) -> list[float]:
         """Each phase: max(FLOPs / (peak x eff_compute), bytes / (bandwidth x eff_memory)),
         both efficiencies read at the op's forward size (kernel FLOPs, bytes per kernel)."""
-        mem_eff = float(self.acc.memory_efficiency(op["bytes"][0] / max(op["kernels"][0], 1.0)))
+        j0 = op.get("size_phase", 0)             # a backward-only op is sized by its backward
+        mem_eff = float(self.acc.memory_efficiency(op["bytes"][j0] / max(op["kernels"][j0], 1.0)))
         bandwidth = self.acc.hbm_bandwidth_bytes_per_s * mem_eff
-        if op["kind"] == "attention":
+        if op["kind"] in ("attention", "gemm_hp"):   # bf16 even under fp8
             rate = self.attn_peak * float(self.attn_curve(op["sizes"][0]))
         elif op["kind"] != "memory":
             rate = self.gemm_peak * float(self.gemm_curve(op["sizes"][0]))
@@ -145,6 +146,15 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
     def act(rows: float, width: float) -> tuple[float, float]:
         return ((3.0 if arch.gated_ffn else 2.0) * rows * width * b, (5.0 if arch.gated_ffn else 3.0) * rows * width * b)
 
+    # fp8 quantisation kernels (operators.py "FP8 casts"): bytes and kernels per element
+    cast_b, cast_k = {"fp8": (2.0 * b + 2.0, 2.0), "mxfp8": (b + 2.0 * (1.0 + 1.0 / 32.0), 1.0)}.get(
+        lay.precision, (0.0, 0.0))
+
+    def cast(fwd_elements: float, bwd_elements: float, n_fwd: float, n_bwd: float) -> dict[str, Any]:
+        op = _mem("fp8_cast", cast_b * fwd_elements, cast_b * bwd_elements, cast_k * n_fwd, cast_k * n_bwd)
+        op["size_phase"] = 0 if n_fwd else 1
+        return op
+
     def mlp(prefix: str, width: float) -> list[dict[str, Any]]:
         af, ab = act(T, width / tp)
         return [_gemm(f"{prefix}_up", "gemm", T, h, up * width / tp, b_in, b), _mem(f"{prefix}_act", af, ab),
@@ -163,12 +173,13 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
                        b * T * (4 * h_q + 4 * h_kv) / tp + 4.0 * T * arch.n_heads / tp, 0.0),
              "kernels": (1.0, 2.0, 0.0)},
             _gemm("out_proj", "gemm", T, h_q / tp, h, b_in, b),
+            cast(T * h_q / tp, T * (h + (h_q + 2 * h_kv) / tp), 1.0, 2.0),
             _mem("attn_residual", norm_b, norm_b),
         ],
         "dense_ffn": [_mem("ffn_norm", norm_f, norm_b), *mlp("ffn", float(arch.d_ff_dense)),
-                      _mem("ffn_residual", norm_b, norm_b)],
+                      cast(0.0, T * h, 0.0, 1.0), _mem("ffn_residual", norm_b, norm_b)],
         "embedding": [_mem("embedding", 2.0 * b * T * h, (b + 2 * GRAD_BYTES) * T * h, 2.0, 2.0)],
-        "head": [_mem("final_norm", norm_f, norm_b), _gemm("lm_head", "gemm", T, h, V / tp, b_in, b),
+        "head": [_mem("final_norm", norm_f, norm_b), _gemm("lm_head", "gemm_hp", T, h, V / tp, b, b),
                  _mem("cross_entropy", (b + 8.0) * T * V / tp, (4.0 + b) * T * V / tp, 4.0, 2.0)],
     }
     d_loc = arch.d_expert / etp
@@ -176,7 +187,7 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
     copies = T_moe * k
     blocks["moe"] = [
         _mem("moe_norm", norm_f, norm_b),
-        _gemm("router", "gemm", T_moe, h, E, b, 4.0),
+        _gemm("router", "gemm_hp", T_moe, h, E, b, 4.0),
         _mem("router_topk", 8.0 * T_moe * E, 12.0 * T_moe * E, 3.0, 3.0),
         _mem("permute", 2.0 * b * copies * h, 2.0 * b * copies * h, 2.0, 2.0),
         _gemm("expert_up", "expert_gemm", M, h, up * d_loc, b_in, b, E_local),
@@ -186,9 +197,16 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
         *mlp("shared", float(arch.n_shared_experts * arch.d_expert)),
         _mem("moe_residual", norm_b, norm_b),
     ]
+    shared_w = arch.n_shared_experts * arch.d_expert / tp
+    if shared_w > 0:
+        blocks["moe"].append(cast(M * (h + d_loc) + T * (h + shared_w), M * (h + up * d_loc) + T * (h + up * shared_w),
+                                  4.0, 4.0))
+    else:
+        blocks["moe"].append(cast(M * (h + d_loc), M * (h + up * d_loc), 2.0, 2.0))
 
     # ---- time of every block per micro-batch (fwd / bwd per category)
-    category = {"gemm": "compute", "memory": "compute", "attention": "attention", "expert_gemm": "expert_gemm"}
+    category = {"gemm": "compute", "gemm_hp": "compute", "memory": "compute", "attention": "attention",
+                "expert_gemm": "expert_gemm"}
     table: dict[str, dict[str, float]] = {}
     for name, ops in blocks.items():
         t = {key: 0.0 for key in ("fwd_compute", "fwd_attention", "fwd_expert_gemm", "bwd_compute",

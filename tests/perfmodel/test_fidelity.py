@@ -122,3 +122,42 @@ def test_batch_equals_single_rows_for_fidelity_configs():
         one = evaluate(a, lay, H100)
         assert np.isclose(batch.step_time_s[i], one.step_time_s[0], rtol=1e-12)
         assert np.isclose(batch.memory_per_device_bytes[i], one.memory_per_device_bytes[0], rtol=1e-12)
+
+
+def _op(arch, layout, block, name):
+    return next(op for op in ops.layer_ops(arch, layout)[block] if op.name == name)
+
+
+def test_fp8_casts_are_memory_bound_kernels_with_current_scaling_and_transposes():
+    """Transformer Engine FP8 current scaling: amax read + cast read (2 x 2 B) + rowwise and
+    columnwise fp8 writes (2 x 1 B) per element; MXFP8: one read + two writes with 1/32 scales."""
+    layout = parse_layout("tp=2,sp=true,mbs=1,gbs=8,precision=fp8", devices=2)
+    t, hq, hkv, h = LLAMA.seq_len, LLAMA.n_heads * LLAMA.head_dim, LLAMA.n_kv_heads * LLAMA.head_dim, LLAMA.d_model
+    cast = _op(LLAMA, layout, "attention", "fp8_cast")
+    assert cast.bytes[0] == pytest.approx(6.0 * t * hq / 2)                    # out_proj input
+    assert cast.bytes[1] == pytest.approx(6.0 * t * (h + (hq + 2 * hkv) / 2))  # both output gradients
+    mx = _op(LLAMA, parse_layout("tp=2,sp=true,mbs=1,gbs=8,precision=mxfp8", devices=2), "attention", "fp8_cast")
+    assert mx.bytes[0] == pytest.approx((2.0 + 2 * (1 + 1 / 32)) * t * hq / 2)
+    bf16 = _op(LLAMA, parse_layout("tp=2,sp=true,mbs=1,gbs=8", devices=2), "attention", "fp8_cast")
+    assert float(np.sum(bf16.bytes)) == 0.0 and float(np.sum(bf16.kernels)) == 0.0
+    # the casts make fp8 slower than its GEMMs alone would: compute at fp8 > bf16 compute / 2
+    both = evaluate(LLAMA, layout, H100), evaluate(LLAMA, parse_layout("tp=2,sp=true,mbs=1,gbs=8", devices=2), H100)
+    assert both[0].step_time_s[0] < both[1].step_time_s[0]
+
+
+def test_router_and_lm_head_stay_bf16_under_fp8():
+    """Megatron's output_layer is not a TE module and torchtitan float8 skips `output`; the
+    router is a plain linear: their time does not change when the layout's GEMMs go fp8."""
+    from perfmodel.evaluate import _as_float, _Hardware, op_times
+    from perfmodel.specs import ArchBatch
+    a = _as_float(ArchBatch.stack([MOE]))
+    times = {}
+    for precision in ("bf16", "fp8"):
+        lay = _as_float(LayoutBatch.stack([parse_layout(f"ep=8,gbs=8,precision={precision}", devices=8)]))
+        hw = _Hardware(H100, lay, np.array([8.0]))
+        table = ops.layer_ops(a, lay)
+        times[precision] = {name: op_times(next(o for o in table[blk] if o.name == name), hw)[0]
+                            for blk, name in (("head", "lm_head"), ("moe", "router"), ("moe", "expert_up"))}
+    for name in ("lm_head", "router"):
+        assert float(times["fp8"][name][0]) == pytest.approx(float(times["bf16"][name][0]))
+    assert float(times["fp8"]["expert_up"][0]) < float(times["bf16"]["expert_up"][0])
