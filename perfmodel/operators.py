@@ -56,7 +56,7 @@ Conventions and sources
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -316,10 +316,13 @@ def _mlp_ops(prefix: str, block: str, sh: dict[str, Any], width: Any, b: Any, b_
     """Megatron MLP split over tp: up (gate+up fused when gated), activation, down."""
     T, h, tp, gated = sh["T"], sh["h"], sh["tp"], sh["gated"]
     act_f, act_b = _act_bytes(gated, T, width / tp, b)
+    up = _gemm(f"{prefix}_up", block, "gemm", T, h, np.where(gated, 2.0, 1.0) * width / tp, b_in, b)
+    down = _gemm(f"{prefix}_down", block, "gemm", T, width / tp, h, b_in, b)
+    launched = np.where(width > 0, 1.0, 0.0)  # no shared experts: no kernels at all
     return [
-        _gemm(f"{prefix}_up", block, "gemm", T, h, np.where(gated, 2.0, 1.0) * width / tp, b_in, b),
-        _memory(f"{prefix}_act", block, act_f, act_b),
-        _gemm(f"{prefix}_down", block, "gemm", T, width / tp, h, b_in, b),
+        replace(up, kernels=(launched,) * 3),
+        _memory(f"{prefix}_act", block, act_f, act_b, launched, launched),
+        replace(down, kernels=(launched,) * 3),
     ]
 
 

@@ -157,8 +157,12 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
 
     def mlp(prefix: str, width: float) -> list[dict[str, Any]]:
         af, ab = act(T, width / tp)
-        return [_gemm(f"{prefix}_up", "gemm", T, h, up * width / tp, b_in, b), _mem(f"{prefix}_act", af, ab),
-                _gemm(f"{prefix}_down", "gemm", T, width / tp, h, b_in, b)]
+        ops = [_gemm(f"{prefix}_up", "gemm", T, h, up * width / tp, b_in, b), _mem(f"{prefix}_act", af, ab),
+               _gemm(f"{prefix}_down", "gemm", T, width / tp, h, b_in, b)]
+        if width == 0:   # no shared experts: nothing is launched
+            for op in ops:
+                op["kernels"] = (0.0, 0.0, 0.0)
+        return ops
 
     norm_f, norm_b = 2.0 * b * T_sp * h, 3.0 * b * T_sp * h
     core = 4.0 * CAUSAL * T * s * h_q / tp

@@ -161,3 +161,12 @@ def test_router_and_lm_head_stay_bf16_under_fp8():
     for name in ("lm_head", "router"):
         assert float(times["fp8"][name][0]) == pytest.approx(float(times["bf16"][name][0]))
     assert float(times["fp8"]["expert_up"][0]) < float(times["bf16"]["expert_up"][0])
+
+
+def test_absent_shared_experts_launch_no_kernels():
+    """A MoE layer without shared experts launches nothing for them (host dispatch counts kernels)."""
+    layout = parse_layout("ep=8,gbs=8", devices=8)
+    for n_shared, launched in ((0, 0.0), (1, 1.0)):
+        shared = [op for op in ops.moe_ops(MOE.replace(n_shared_experts=n_shared), layout)
+                  if op.name.startswith("shared_")]
+        assert {float(np.asarray(op.kernels[0])) for op in shared} == {launched}
