@@ -279,12 +279,25 @@ class _Hardware:
         self.gemm_code, self.attn_code = code, attn_code
         self.gemm_present = np.flatnonzero(np.bincount(code, minlength=len(PRECISIONS)))
         self.attn_present = np.flatnonzero(np.bincount(attn_code, minlength=len(PRECISIONS)))
-        # Mixed precisions: every precision's curve laid side by side on one axis (curve c
-        # shifted by 100 c decades), each row clipped to its own curve's ends, so one
-        # np.interp prices all rows exactly as their own curve would.
-        self._stacked = {}
+        # Mixed precisions. When the present curves share their knots (the bundled clusters
+        # do), one np.interp over the common knots gives each row its fractional knot index
+        # and a gather of its own curve's two neighbouring values finishes the linear
+        # interpolation (a binary search over few knots, well predicted). Otherwise every
+        # precision's curve is laid side by side on one axis (curve c shifted by 100 c
+        # decades), each row clipped to its own curve's ends, so one np.interp prices all
+        # rows exactly as their own curve would.
+        self._stacked: dict[str, Any] = {}
+        self._shared: dict[str, Any] = {}
         for name, codes, present in (("gemm", code, self.gemm_present), ("attention", attn_code, self.attn_present)):
-            if len(present) > 1:
+            knots = {tuple(self.curves[c].log_sizes) for c in present}
+            if len(present) > 1 and len(knots) == 1 and len(self.curves[present[0]].log_sizes) > 1:
+                k = len(self.curves[present[0]].log_sizes)
+                values = np.zeros((len(PRECISIONS), k))
+                for c in present:
+                    values[c] = self.curves[c].values
+                self._shared[name] = (self.curves[present[0]].log_sizes, np.arange(k, dtype=float),
+                                      values.ravel(), codes * k, k)
+            elif len(present) > 1:
                 xs = np.concatenate([self.curves[c].log_sizes + 100.0 * c for c in present])
                 ys = np.concatenate([self.curves[c].values for c in present])
                 lo = np.array([self.curves[c].log_sizes[0] for c in range(len(PRECISIONS))])
@@ -297,6 +310,15 @@ class _Hardware:
     def _eff(self, which: str, present: np.ndarray, size: Any) -> Any:
         if len(present) <= 1:
             return self.curves[present[0] if len(present) else BF16](size)
+        if which in self._shared:
+            knots, positions, values, row_start, k = self._shared[which]
+            with np.errstate(divide="ignore"):
+                t = np.interp(np.log10(size), knots, positions)
+            left = np.minimum(t.astype(np.intp), k - 2)
+            frac = t - left
+            left += row_start
+            lo = values[left]
+            return lo + frac * (values[left + 1] - lo)
         xs, ys, lo, hi, shift = self._stacked[which]
         with np.errstate(divide="ignore"):
             return np.interp(np.clip(np.log10(size), lo, hi) + shift, xs, ys)

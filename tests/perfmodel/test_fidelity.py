@@ -112,16 +112,21 @@ def test_cpu_local_hides_no_context_parallel_exchange():
     assert result.breakdown["cp_exposed"][0] > 0.0
 
 
-def test_batch_equals_single_rows_for_fidelity_configs():
-    archs = [GPT, LLAMA, MOE]
-    layouts = [parse_layout(t, devices=8) for t in ("tp=2,pp=2,sp=true,recompute=selective,gbs=32",
-                                                    "tp=2,sp=true,precision=fp8,gbs=16", "ep=8,precision=fp8,gbs=16")]
+@pytest.mark.parametrize("cluster", ["h100", "b200"])
+def test_mixed_precision_batch_equals_single_rows(cluster):
+    """A batch mixing precisions prices each row with its own efficiency curve (shared-knot
+    gather on h100, side-by-side curves on b200 whose fp8 curve has other knots)."""
     from perfmodel.specs import ArchBatch
-    batch = evaluate(ArchBatch.stack(archs), LayoutBatch.stack(layouts), H100)
+    spec = load_cluster(cluster)
+    archs = [GPT, LLAMA, MOE, LLAMA, MOE]
+    layouts = [parse_layout(t, devices=8) for t in (
+        "tp=2,pp=2,sp=true,recompute=selective,gbs=32", "tp=2,sp=true,precision=fp8,gbs=16",
+        "ep=8,precision=fp8,gbs=16", "tp=8,sp=true,precision=fp32,gbs=8", "ep=8,precision=mxfp8,gbs=16")]
+    batch = evaluate(ArchBatch.stack(archs), LayoutBatch.stack(layouts), spec)
     for i, (a, lay) in enumerate(zip(archs, layouts)):
-        one = evaluate(a, lay, H100)
-        assert np.isclose(batch.step_time_s[i], one.step_time_s[0], rtol=1e-12)
-        assert np.isclose(batch.memory_per_device_bytes[i], one.memory_per_device_bytes[0], rtol=1e-12)
+        one = evaluate(a, lay, spec)
+        assert batch.step_time_s[i] == pytest.approx(one.step_time_s[0], rel=1e-12)
+        assert batch.memory_per_device_bytes[i] == pytest.approx(one.memory_per_device_bytes[0], rel=1e-12)
 
 
 def _op(arch, layout, block, name):
