@@ -15,9 +15,13 @@ Sources
                + fp32 log-sum-exp 4·heads/t      (r = 1/t with sequence parallel, else 1)
     dense FFN  norm input h·r + up input h·r + gate/up (1|2)·d/t + activation d/t
     MoE        norm + router input 2h·r + fp32 router probabilities 4E/t
-               + dispatched tokens, expert hidden and outputs of the tokens the rank
-               receives (M_mean rows: h + (1|2)·d_e/etp + d_e/etp + h) + shared experts
-               as an MLP reading the router's input
+               + per token copy the rank receives (M_mean rows): the dispatched input h
+               (kept by fc1), gate/up output (1|2)·d_e/etp, the probability-weighted
+               activation d_e/etp (kept by fc2) and its fp32 routing probability (4 B);
+               Megatron-Core multiplies the probabilities inside the experts'
+               activation (`GroupedMLP`/`TEGroupedMLP.activation_func_with_probs`), so
+               the combine is a plain sum that keeps no expert output
+               + shared experts as an MLP reading the router's input
   For a non-gated MHA 4h MLP this is 32·h bytes: Megatron-LM's
   `theoretical_memory_usage.compute_activation_memory` per-layer term
   s·b·h·(18 + 4·ffn/h) = 34·s·b·h minus the two 1-byte dropout masks
@@ -143,7 +147,7 @@ def layer_activation_bytes(arch: Any, lay: Any) -> dict[str, Any]:
     d_loc = np.asarray(arch.d_expert, dtype=float) / etp
     shared = np.asarray(arch.n_shared_experts, dtype=float) * np.asarray(arch.d_expert, dtype=float)
     moe = (2.0 * b * T_sp * h + 4.0 * T_moe * np.asarray(arch.n_experts, dtype=float)
-           + M * ((g + b) * h + (b * up + g) * d_loc)
+           + M * (g * h + (b * up + g) * d_loc + 4.0)
            + np.where(shared > 0, np.where(fp8, g * T_sp * h, 0.0) + (b * up + g) * T * shared / tp, 0.0))
     return {"attention": attention, "dense_ffn": dense, "moe": moe, "layer_input": b * T_sp * h}
 

@@ -453,7 +453,7 @@ def _stage_memory(arch: Any, lay: Any, cluster: Any, c: dict[str, float], st: di
     shared = arch.n_shared_experts * arch.d_expert
     d_loc = arch.d_expert / lay.etp
     M_mean = M / LOAD_FACTOR                   # stored over many layers: the mean rows per rank
-    moe = (2 * b * T_sp * h + 4.0 * T_moe * arch.n_experts + M_mean * ((g + b) * h + (b * up + g) * d_loc)
+    moe = (2 * b * T_sp * h + 4.0 * T_moe * arch.n_experts + M_mean * (g * h + (b * up + g) * d_loc + 4.0)
            + (((g * T_sp * h) if fp8 else 0.0) + (b * up + g) * T * shared / tp if shared > 0 else 0.0))
     rank = 0 if stage == "first" else pp - 1
     held_mb = (pp - rank) if vpp == 1 else ((pp - rank - 1) * 2 + (vpp - 1) * pp + 1) / vpp

@@ -93,13 +93,18 @@ def test_moe_stored_activations_use_mean_load_but_time_uses_busiest_rank(monkeyp
     assert heavy.memory_breakdown["activations"][0] == pytest.approx(base.memory_breakdown["activations"][0])
     assert heavy.memory_breakdown["moe_buffers"][0] > base.memory_breakdown["moe_buffers"][0]
     assert heavy.breakdown["expert_gemm"][0] > base.breakdown["expert_gemm"][0]
-    # the stored routed-expert tensors: M_mean rows x (input h + gate/up 2d + act d + output h) x 2 B
+    # the stored routed-expert tensors: M_mean rows x (input h + gate/up 2d + weighted act d) x 2 B
+    # + the fp32 probability (Megatron-Core applies probs in the activation: no output kept)
     rows = MOE.seq_len * MOE.top_k
-    per_row = 2 * (2 * MOE.d_model + 3 * MOE.d_expert)
+    per_row = 2 * (MOE.d_model + 3 * MOE.d_expert) + 4
     act = base.memory_breakdown["activations"][0]
     without_experts = evaluate(MOE.replace(n_experts=0, top_k=0, d_expert=0, d_ff_dense=1),
                                parse_layout("mbs=1,gbs=8", devices=1), H100)
-    assert act - without_experts.memory_breakdown["activations"][0] > MOE.n_layers * rows * per_row
+    router_and_norm = MOE.n_layers * MOE.seq_len * (2 * 2 * MOE.d_model + 4 * MOE.n_experts)
+    ffn_of_dense = MOE.n_layers * MOE.seq_len * (2 * 2 * MOE.d_model + (2 * 2 + 2) * 1)  # gated, d_ff 1
+    expected = without_experts.memory_breakdown["activations"][0] - ffn_of_dense + router_and_norm \
+        + MOE.n_layers * rows * per_row
+    assert act == pytest.approx(expected, rel=1e-12)
 
 
 def test_cpu_local_hides_no_context_parallel_exchange():
