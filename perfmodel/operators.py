@@ -196,8 +196,11 @@ class Comm:
 
 def _gemm(name: str, block: str, kind: str, m: Any, k: Any, n: Any, b_in: Any, b_out: Any,
           groups: Any = 1.0) -> Op:
-    """A (possibly grouped) GEMM of m x k by k x n in total; `groups` equal sub-problems
-    (local experts) share one kernel, so one call's efficiency size is 2mkn/groups."""
+    """A (possibly grouped) GEMM of m x k by k x n in total, split into `groups` equal
+    sub-problems (local experts). Transformer Engine's grouped GEMM (Megatron-Core
+    `TEGroupedMLP` -> `GroupedLinear` -> `te_general_grouped_gemm`) issues one cuBLAS GEMM
+    per group, round-robin over its compute streams (`nvte_multi_stream_cublas_gemm`):
+    `groups` kernel launches per phase, each of 2mkn/groups FLOPs (the efficiency size)."""
     flops = 2.0 * m * k * n
     weights = k * n
     fwd_bytes = b_in * (m * k + weights) + b_out * m * n
@@ -205,7 +208,7 @@ def _gemm(name: str, block: str, kind: str, m: Any, k: Any, n: Any, b_in: Any, b
     wgrad_bytes = b_in * (m * k + m * n) + 2 * FP32_GRAD_BYTES * weights
     size = flops / groups
     return Op(name, block, kind, (flops, flops, flops), (fwd_bytes, dgrad_bytes, wgrad_bytes),
-              (1.0, 1.0, 1.0), (size, size, size), True)
+              (groups, groups, groups), (size, size, size), True)
 
 
 def _memory(name: str, block: str, fwd_bytes: Any, bwd_bytes: Any, kernels_fwd: Any = 1.0,

@@ -180,3 +180,14 @@ def test_absent_shared_experts_launch_no_kernels():
         shared = [op for op in ops.moe_ops(MOE.replace(n_shared_experts=n_shared), layout)
                   if op.name.startswith("shared_")]
         assert {float(np.asarray(op.kernels[0])) for op in shared} == {launched}
+
+
+def test_grouped_expert_gemm_launches_one_gemm_per_local_expert():
+    """TE GroupedLinear -> nvte_multi_stream_cublas_gemm: one cuBLAS call per local expert and
+    phase, each sized as one expert's GEMM (the efficiency size)."""
+    for ep in (1, 4, 8):
+        layout = parse_layout(f"ep={ep},gbs=8", devices=8)
+        up = _op(MOE, layout, "moe", "expert_up")
+        local = MOE.n_experts / ep
+        assert [float(k) for k in up.kernels] == [local] * 3
+        assert float(up.kernel_flops[0]) == pytest.approx(float(up.flops[0]) / local)
