@@ -9,6 +9,10 @@ falling towards the sparsest edge of the space; under deliverable compute
   devices      one plan per device count (default: the cluster's count / 8, 4, 2, 1)
   days         one plan per wall time (default 5, 10, 20, 40, 80 days)
 
+Each row carries the budget's C_model (`c_model_flops`) and the model FLOPs each answer
+trains (`compute_optimal_model_flops` = C_model; `cluster_optimal_model_flops` =
+C_deliverable of the chosen geometry and layout).
+
 `sweep(...)` returns a pandas DataFrame (one row per value) for notebooks;
 `mosaic sweep` writes it as CSV and optionally plots it.
 """
@@ -47,6 +51,9 @@ def _describe(problem: Problem, ranked: Ranked, prefix: str, with_layout: bool) 
     out[f"{prefix}_sparsity"] = float(sparsity(arch)[0])
     out[f"{prefix}_expert_sparsity"] = float(expert_sparsity(arch)[0])
     out[f"{prefix}_granularity"] = float(granularity(arch)[0])
+    # Model FLOPs of the answer: C_model for the compute-optimal side, C_deliverable for the
+    # cluster-optimal side (there D = C_deliverable / FLOPs per token).
+    out[f"{prefix}_model_flops"] = float(ranked.tokens[0]) * float(problem.flops_per_token[g])
     a = problem.geoms.archs.row(g)
     out[f"{prefix}_geometry"] = (f"L{a.n_layers} h{a.d_model} E{a.n_experts} k{a.top_k} d_expert{a.d_expert}"
                                  f" Es{a.n_shared_experts}")
@@ -80,7 +87,7 @@ def _compute_side(problem: Problem, subset: Optional[np.ndarray]) -> dict[str, A
 
 def _row(problem: Problem, over: str, value: float, subset: Optional[np.ndarray], workers: int) -> dict[str, Any]:
     row: dict[str, Any] = {"over": over, "value": value, "devices": problem.budget.devices,
-                           "days": problem.budget.wall_time_s / 86400.0}
+                           "days": problem.budget.wall_time_s / 86400.0, "c_model_flops": problem.c_model}
     if subset is not None and len(subset) == 0:
         row.update({"cluster_optimal_loss": np.nan, "compute_optimal_loss": np.nan})
         return row
