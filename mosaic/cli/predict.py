@@ -9,8 +9,6 @@ valid but infeasible one (memory, precision) prints its prediction and exits 1.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +17,7 @@ from rich.table import Table
 
 from mosaic.cli.common import cli_errors, console, err_console, print_json
 from perfmodel.errors import InfeasibleError, InputError
+from perfmodel.specs.strict import save_figure_atomic
 
 FIX_HINTS = {
     "memory": "try recompute=full or selective, a smaller mbs, more tp/pp/ep, or dp_flavor=zero1/fsdp",
@@ -35,18 +34,6 @@ def _seconds(value: Optional[float]) -> str:
     if value is None:
         return "-"
     return f"{value * 1e3:,.1f} ms" if value < 1 else f"{value:,.3f} s"
-
-
-def _write_png_atomic(path: Path, fig: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def plot_breakdown(rows: list[dict[str, Any]], labels: list[str], path: Path, title: str) -> None:
@@ -83,7 +70,7 @@ def plot_breakdown(rows: list[dict[str, Any]], labels: list[str], path: Path, ti
     ax.set_xlabel("seconds per step")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.15))
-    _write_png_atomic(path, fig)
+    save_figure_atomic(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -19,10 +19,6 @@ C_deliverable of the chosen geometry and layout).
 
 from __future__ import annotations
 
-import io
-import os
-import tempfile
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -31,6 +27,7 @@ from mosaic.planner import build_problem
 from mosaic.planner.enumerate import Problem, Ranked, rank_cluster_optimal, rank_compute_optimal
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import active_params, expert_sparsity, granularity, sparsity, total_params
+from perfmodel.specs.strict import save_figure_atomic
 
 OVER = ("sparsity", "granularity", "devices", "days")
 DEFAULT_DAYS = (5.0, 10.0, 20.0, 40.0, 80.0)
@@ -137,21 +134,6 @@ def sweep(cluster: Any, over: str, values: Optional[list[float]] = None, devices
     return pd.DataFrame(rows)
 
 
-def write_bytes_atomic(path: str, data: bytes) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def plot_sweep(frame: Any, path: str, title: str = "") -> None:
     """Best loss per value under both budgets (PNG, written atomically)."""
     import matplotlib
@@ -175,10 +157,8 @@ def plot_sweep(frame: Any, path: str, title: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
+    save_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
-    write_bytes_atomic(path, buf.getvalue())
 
 
-__all__ = ["OVER", "plot_sweep", "sweep", "write_bytes_atomic"]
+__all__ = ["OVER", "plot_sweep", "sweep"]

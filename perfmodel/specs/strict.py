@@ -197,21 +197,41 @@ def spec_to_dict(obj: Any, version: int = SPEC_VERSION) -> dict[str, Any]:
     return {"version": version, **to_mapping(obj)}
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write `text` to `path` through a temp file in the same folder and a rename."""
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write `data` to `path` through a temp file in the same folder, fsync and a rename.
+
+    The file gets the permissions a plain `open(path, "w")` would give (mkstemp makes 0600).
+    """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write `text` (UTF-8) to `path` atomically."""
+    return write_bytes_atomic(path, text.encode())
+
+
+def save_figure_atomic(fig: Any, path: str | os.PathLike[str], **savefig_kwargs: Any) -> Path:
+    """Render a matplotlib figure as PNG in memory and write it atomically."""
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", **savefig_kwargs)
+    return write_bytes_atomic(path, buffer.getvalue())
 
 
 def write_yaml_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) -> Path:
@@ -230,9 +250,11 @@ __all__ = [
     "from_mapping",
     "load_spec",
     "read_yaml",
+    "save_figure_atomic",
     "spec_from_dict",
     "spec_to_dict",
     "to_mapping",
+    "write_bytes_atomic",
     "write_text_atomic",
     "write_yaml_atomic",
 ]
