@@ -17,7 +17,9 @@ configuration is a batch of one). For each candidate:
 3. CPU dispatch: a phase takes max(device time, kernels x launch latency)
    (the host enqueues asynchronously, so only the excess shows); on CPU
    clusters (`host_cores` set) the rank's own core launches and runs each
-   kernel, so kernels x launch latency adds to the device time.
+   kernel, so kernels x launch latency adds to the device time, and the
+   kernels are the ops of an eager PyTorch step (`perfmodel.eager`, counted
+   on the bundled trainer), optimizer and per-step bookkeeping included.
 4. The slower of the first and last pipeline stage sets the step
    (`perfmodel.schedule`): (m + (pp-1)/vpp) micro-batch slots, plus the exposed
    DDP/ZeRO-1 gradient (and parameter) synchronisation, plus the optimizer
@@ -46,6 +48,12 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from perfmodel.comm import collective_coefficients, collective_time, group_geometry, group_levels
+from perfmodel.eager import (
+    EAGER_FULL_RECOMPUTE_OPS,
+    EAGER_SELECTIVE_RECOMPUTE_OPS,
+    eager_block_ops,
+    eager_step_ops,
+)
 from perfmodel.errors import InputError
 from perfmodel.memory import MEMORY_COMPONENTS, layer_activation_bytes, shard_sizes, stage_memory, stage_params
 from perfmodel.operators import (
@@ -371,16 +379,22 @@ def op_times(op: Any, hw: _Hardware) -> tuple[Any, Any, Any]:
     forward work), and hold for all three phases: the input- and weight-gradient kernels
     work on the same matrices."""
     j0 = op.size_phase
-    mem_rate = hw.bw * hw.memory_efficiency(op.bytes[j0], op.kernels[j0])
-    rate = None if op.kind == "memory" else hw.compute_rate(op.kind, op.kernel_flops[0])
+    seconds_per_byte = 1.0 / (hw.bw * hw.memory_efficiency(op.bytes[j0], op.kernels[j0]))
+    seconds_per_flop = None if op.kind == "memory" else 1.0 / hw.compute_rate(op.kind, op.kernel_flops[0])
     out = []
+    compute_of: dict[int, Any] = {}  # a GEMM's three phases share one FLOPs array: one product
     for j in range(3):
         nbytes, flops = op.bytes[j], op.flops[j]
         if np.ndim(nbytes) == 0 and nbytes == 0 and np.ndim(flops) == 0 and flops == 0:
             out.append(0.0)  # nothing in this phase (e.g. no weight gradient)
             continue
-        memory = nbytes / mem_rate
-        out.append(memory if rate is None else np.maximum(flops / rate, memory))
+        memory = nbytes * seconds_per_byte
+        if seconds_per_flop is None:
+            out.append(memory)
+            continue
+        if id(flops) not in compute_of:
+            compute_of[id(flops)] = flops * seconds_per_flop
+        out.append(np.maximum(compute_of[id(flops)], memory))
     return out[0], out[1], out[2]
 
 
@@ -509,6 +523,13 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
     fwd_kernels = total("fwd_kernels") + total("fwd_comm_kernels")
     bwd_kernels = (total("bwd_kernels") + total("bwd_comm_kernels")
                    + np.where(full, total("fwd_kernels", _LAYER_BLOCKS), np.where(selective, counts["attention"], 0.0)))
+    if cluster.host_cores is not None:  # eager PyTorch ranks (the bundled trainer): its op counts
+        eager = eager_block_ops(arch)
+        fwd_kernels = total("fwd_comm_kernels") + sum(counts[b] * eager[b][0] for b in eager)
+        layer_fwd_ops = sum(counts[b] * eager[b][0] for b in _LAYER_BLOCKS)
+        bwd_kernels = (total("bwd_comm_kernels") + sum(counts[b] * eager[b][1] for b in eager)
+                       + np.where(full, layer_fwd_ops + EAGER_FULL_RECOMPUTE_OPS * counts["attention"],
+                                  np.where(selective, EAGER_SELECTIVE_RECOMPUTE_OPS * counts["attention"], 0.0)))
     fwd_device = fwd_compute + sum(exposed[f"fwd_{c}"] for c in ("cp", "tp", "ep", "pp", "fsdp"))
     bwd_device = bwd_compute + sum(exposed[f"bwd_{c}"] for c in ("cp", "tp", "ep", "pp", "fsdp"))
     if cluster.host_cores is not None:  # CPU ranks run their own kernels: launch time adds
@@ -546,7 +567,11 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
     updated = np.where(sharded, dense_params / shard_dense + expert_params / shard_expert, dense_params + expert_params)
     opt_bytes = optimizer_step_bytes_per_param(lay) * updated
     opt_kernels = OPTIMIZER_KERNELS_PER_LAYER * np.maximum(counts["attention"], 1.0)
-    out["optimizer"] = np.maximum(hw.memory_time(opt_bytes, opt_kernels), opt_kernels * lat)
+    if cluster.host_cores is not None:  # eager: the optimizer's and the trainer's per-step ops, run in turn
+        opt_kernels = eager_step_ops(arch, counts, micro_batches(lay))
+        out["optimizer"] = hw.memory_time(opt_bytes, opt_kernels) + opt_kernels * lat
+    else:
+        out["optimizer"] = np.maximum(hw.memory_time(opt_bytes, opt_kernels), opt_kernels * lat)
     return out
 
 
