@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from perfmodel import eager
 from perfmodel.specs.architecture import MoEArchitecture, model_flops_per_token
 from perfmodel.specs.layout import ParallelLayout
 from perfmodel.validity import violations
@@ -23,6 +24,20 @@ CAUSAL = 0.5                # causal kernels skip half the scores
 GRAD_BYTES = 4.0            # fp32 main gradients
 BUCKET_PARAMS = 40e6        # Megatron DDP bucket
 OPT_KERNELS_PER_LAYER = 3.0
+
+
+def _eager_ops(arch: MoEArchitecture) -> dict[str, tuple[float, float]]:
+    """(fwd, bwd) ops per micro-batch of each block in eager PyTorch (perfmodel.eager's counts)."""
+    ops = {}
+    for block, (fwd, bwd) in eager.EAGER_OPS.items():
+        if block == "attention" and arch.n_kv_heads < arch.n_heads:
+            fwd, bwd = fwd + eager.EAGER_GQA_OPS[0], bwd + eager.EAGER_GQA_OPS[1]
+        if block == "moe" and arch.n_shared_experts > 0:
+            fwd, bwd = fwd + eager.EAGER_SHARED_EXPERT_OPS[0], bwd + eager.EAGER_SHARED_EXPERT_OPS[1]
+        if block in eager.EAGER_UNGATED_OPS and not arch.gated_ffn:
+            fwd, bwd = fwd + eager.EAGER_UNGATED_OPS[block][0], bwd + eager.EAGER_UNGATED_OPS[block][1]
+        ops[block] = (fwd, bwd)
+    return ops
 
 
 def _ceil_log2(x: float) -> float:
@@ -348,6 +363,14 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
         fwd_kernels = tot("fwd_kernels") + tot("fwd_comm_kernels")
         bwd_kernels = tot("bwd_kernels") + tot("bwd_comm_kernels") + (
             tot("fwd_kernels", layer_blocks) if full else (c["attention"] if selective else 0.0))
+        if cluster.host_cores is not None:   # eager PyTorch ranks: the bundled trainer's op counts
+            ops = _eager_ops(arch)
+            fwd_kernels = tot("fwd_comm_kernels") + sum(c[blk] * ops[blk][0] for blk in ops)
+            bwd_kernels = tot("bwd_comm_kernels") + sum(c[blk] * ops[blk][1] for blk in ops)
+            if full:
+                bwd_kernels += sum(c[blk] * ops[blk][0] for blk in layer_blocks) + eager.EAGER_FULL_RECOMPUTE_OPS * c["attention"]
+            elif selective:
+                bwd_kernels += eager.EAGER_SELECTIVE_RECOMPUTE_OPS * c["attention"]
         fwd_device = fwd_compute + sum(exposed[f"fwd_{x}"] for x in ("cp", "tp", "ep", "pp", "fsdp"))
         bwd_device = bwd_compute + sum(exposed[f"bwd_{x}"] for x in ("cp", "tp", "ep", "pp", "fsdp"))
         if cluster.host_cores is not None:   # a CPU rank launches and runs its own kernels
@@ -377,6 +400,14 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
         opt_bytes = (32.0 if lay.precision == "fp32" else 34.0) * updated
         opt_kernels = OPT_KERNELS_PER_LAYER * max(c["attention"], 1.0)
         st["optimizer"] = max(dev.memory_seconds(opt_bytes, opt_kernels), opt_kernels * lat)
+        if cluster.host_cores is not None:   # eager: every parameter tensor's AdamW + norm ops, then bookkeeping
+            gated = 3.0 if arch.gated_ffn else 2.0
+            tensors = (c["embedding"] + 5.0 * c["attention"] + (1.0 + gated) * c["dense_ffn"]
+                       + (2.0 + gated + (gated if arch.n_shared_experts > 0 else 0.0)) * c["moe"]
+                       + (1.0 if arch.tie_embeddings else 2.0) * c["head"])
+            opt_kernels = (eager.EAGER_OPS_PER_PARAM_TENSOR * tensors + eager.EAGER_STEP_OPS
+                           + eager.EAGER_STEP_OPS_PER_MOE_LAYER * c["moe"] + eager.EAGER_OPS_PER_MICRO_BATCH * m)
+            st["optimizer"] = dev.memory_seconds(opt_bytes, opt_kernels) + opt_kernels * lat
         st["base"] = (m + slots) * st["t_mb"] + st["dp_step_exposed"] + st["optimizer"]
         st["dense_params"], st["expert_params"] = dense_p, expert_p
         stages[stage_name] = st

@@ -1,0 +1,257 @@
+"""Fidelity of the whole pipeline: calibrate, predict, train, compare, refit.
+
+    python benchmarks/fidelity.py --device cpu [--steps 30] [--out-dir benchmarks/results]
+
+1. Calibrate this machine (`mosaic calibrate --quick`; or `--cluster FILE` to reuse a
+   calibrated cluster).
+2. For each configuration (tiny MoE and dense models on 1, 2 and 4 ranks covering dp, ep,
+   tp, pp, mbs and recompute) predict the step time with `perfmodel.evaluate` on the
+   calibrated cluster, and run the bundled trainer (`mosaic train`, torchrun + gloo on cpu,
+   one thread per rank) for `--steps` steps. The measured step time is the median after
+   warm-up, the same definition `mosaic calibrate --from-runs` uses
+   (`calibration.from_runs.load_run`).
+3. Report per-configuration error (predicted/measured - 1), MAPE, max |error| and Kendall
+   tau of the ranking (scipy.stats.kendalltau).
+4. Refit the cluster from these runs (`mosaic calibrate --from-runs`) and report its
+   leave-one-run-out MAPE (each run predicted by factors fitted without it).
+
+Writes `<out-dir>/fidelity_<device>.json` and `fidelity_<device>.png` (predicted vs measured)
+and keeps the run folders and cluster files under `<out-dir>/fidelity_<device>/`. The last
+two printed lines are `MAPE before refit: X%` and `MAPE after refit (leave-one-out): Y%`.
+
+On cuda/npu only the single-device configurations run (one GPU). `--configs smoke` runs two
+small configurations (the test's reduced version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TINY_MOE = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256, seq_len=32,
+                n_experts=8, top_k=2, n_shared_experts=1, d_expert=32, d_ff_dense=128, n_dense_layers=1,
+                ffn_ratio=4.0, gated_ffn=True, tie_embeddings=False)
+"""examples/tiny_moe.yaml: 2 layers (the first dense), 8 experts of width 32, top-2, one shared expert."""
+TINY_DENSE = dict(TINY_MOE, n_experts=0, top_k=0, n_shared_experts=0, d_expert=0, n_dense_layers=2)
+"""The same trunk with a dense FFN in both layers."""
+WIDE_MOE = dict(TINY_MOE, d_model=128, head_dim=32, d_expert=64, d_ff_dense=256, seq_len=64)
+"""A wider MoE (4x the GEMM FLOPs per token), so compute is not negligible beside dispatch."""
+
+MODELS = {"moe": TINY_MOE, "dense": TINY_DENSE, "wide_moe": WIDE_MOE}
+
+CONFIGS: list[tuple[str, str, str, int]] = [
+    # (name, model, layout, ranks)
+    ("moe_1r_mbs2", "moe", "mbs=2,gbs=4", 1),
+    ("moe_1r_mbs1", "moe", "mbs=1,gbs=4", 1),
+    ("moe_1r_mbs4", "moe", "mbs=4,gbs=8", 1),
+    ("moe_1r_full", "moe", "mbs=2,gbs=4,recompute=full", 1),
+    ("moe_1r_selective", "moe", "mbs=2,gbs=4,recompute=selective", 1),
+    ("dense_1r_mbs2", "dense", "mbs=2,gbs=4", 1),
+    ("wide_moe_1r_mbs2", "wide_moe", "mbs=2,gbs=4", 1),
+    ("dense_2r_dp2", "dense", "dp=2,mbs=2,gbs=8", 2),
+    ("moe_2r_dp2_ep2", "moe", "dp=2,ep=2,mbs=2,gbs=8", 2),
+    ("moe_2r_tp2", "moe", "tp=2,mbs=2,gbs=4", 2),
+    ("dense_2r_pp2", "dense", "pp=2,mbs=1,gbs=4", 2),
+    ("moe_4r_dp4_ep4", "moe", "dp=4,ep=4,mbs=1,gbs=8", 4),
+    ("dense_4r_dp2_tp2", "dense", "dp=2,tp=2,mbs=2,gbs=8", 4),
+]
+SMOKE = ["moe_1r_mbs2", "dense_1r_mbs2"]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def mosaic(*args: str, capture: bool = False) -> str:
+    """Run the `mosaic` CLI of this interpreter; raises with its stderr on failure."""
+    command = [sys.executable, "-m", "mosaic.cli.app", *args]
+    done = subprocess.run(command, env=_env(), stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: {' '.join(command[2:])} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    return done.stdout if capture else ""
+
+
+def calibrate(device: str, folder: Path) -> Path:
+    out = folder / "calibrated.yaml"
+    t0 = time.perf_counter()
+    mosaic("calibrate", "--device", device, "--quick", "--nproc", "2" if device == "cpu" else "1", "-o", str(out))
+    print(f"calibrated {device} in {time.perf_counter() - t0:.0f} s -> {out}", flush=True)
+    return out
+
+
+def train(name: str, model: str, layout: str, ranks: int, steps: int, device: str, cluster: Path, runs: Path) -> float:
+    import yaml
+
+    from perfmodel.specs.strict import write_text_atomic
+
+    folder = runs / name
+    if folder.exists():
+        shutil.rmtree(folder)
+    model_file = runs / f"{name}.model.yaml"
+    write_text_atomic(model_file, yaml.safe_dump({"version": 1, **MODELS[model]}, sort_keys=False))
+    t0 = time.perf_counter()
+    mosaic("train", "--model", str(model_file), "--layout", layout, "--nproc", str(ranks), "--steps", str(steps),
+           "--out", str(folder), "--device", device, "--cluster", str(cluster), "--no-progress",
+           "--checkpoint-every", str(10 * steps))
+    shutil.rmtree(folder / "checkpoints", ignore_errors=True)
+    model_file.unlink()
+    return time.perf_counter() - t0
+
+
+def kendall(predicted: list[float], measured: list[float]) -> float:
+    from scipy.stats import kendalltau
+
+    return float(kendalltau(predicted, measured).statistic) if len(predicted) >= 2 else float("nan")
+
+
+def scatter(path: Path, rows: list[dict], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    meas = [r["measured_step_time_s"] * 1e3 for r in rows]
+    for key, marker, label in (("predicted_s", "o", "before refit"), ("predicted_loo_s", "x", "after refit (leave-one-out)")):
+        pred = [r[key] * 1e3 if r.get(key) is not None else float("nan") for r in rows]
+        ax.scatter(meas, pred, marker=marker, label=label)
+    for r in rows:
+        ax.annotate(r["name"], (r["measured_step_time_s"] * 1e3, r["predicted_s"] * 1e3), fontsize=6, alpha=0.7)
+    lo = min(meas + [r["predicted_s"] * 1e3 for r in rows]) * 0.8
+    hi = max(meas + [r["predicted_s"] * 1e3 for r in rows]) * 1.25
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="y = x")
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey", alpha=0.15, label="±15%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time (ms, median after warm-up)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    parser.add_argument("--steps", type=int, default=30, help="trainer steps per configuration (median after warm-up)")
+    parser.add_argument("--configs", default="all", help="'all', 'smoke' (2 configurations) or comma-separated names")
+    parser.add_argument("--cluster", default=None, help="use this (calibrated) cluster instead of calibrating")
+    parser.add_argument("--reuse-runs", action="store_true", help="reuse run folders of an earlier invocation")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+
+    import numpy as np
+
+    from calibration.from_runs import discover_runs, predict
+    from perfmodel.clusters import load_cluster
+    from perfmodel.specs.strict import write_text_atomic
+
+    names = {c[0] for c in CONFIGS}
+    if args.configs == "all":
+        chosen = list(CONFIGS)
+    else:
+        wanted = SMOKE if args.configs == "smoke" else [n.strip() for n in args.configs.split(",") if n.strip()]
+        unknown = sorted(set(wanted) - names)
+        if unknown:
+            parser.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(sorted(names))}")
+        chosen = [c for c in CONFIGS if c[0] in wanted]
+    if args.device != "cpu":  # one accelerator: the single-device subset
+        chosen = [c for c in chosen if c[3] == 1]
+    if args.steps < 3:
+        parser.error("--steps: need at least 3 (the first is warm-up)")
+
+    folder = args.out_dir / f"fidelity_{args.device}"
+    runs = folder / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    cluster_path = Path(args.cluster) if args.cluster else calibrate(args.device, folder)
+    if args.cluster and not cluster_path.is_file():
+        from perfmodel.clusters import resolve_cluster_path
+
+        cluster_path = resolve_cluster_path(args.cluster)
+    cluster = load_cluster(str(cluster_path))
+
+    # stale run folders of configurations not chosen now would enter the refit
+    for stale in runs.iterdir():
+        if stale.is_dir() and stale.name not in {c[0] for c in chosen}:
+            shutil.rmtree(stale)
+    wall: dict[str, float] = {}
+    for name, model, layout, ranks in chosen:
+        if args.reuse_runs and (runs / name / "metrics.jsonl").is_file():
+            continue
+        wall[name] = train(name, model, f"{layout},precision=fp32" if args.device == "cpu" else layout, ranks,
+                           args.steps, args.device, cluster_path, runs)
+        print(f"trained {name:<20} ({ranks} rank{'s' if ranks > 1 else ''}) in {wall[name]:.1f} s", flush=True)
+    load_after = os.getloadavg()
+
+    found = {r.name: r for r in discover_runs(runs)}
+    order = [c for c in chosen if c[0] in found]
+    run_list = [found[c[0]] for c in order]
+    predicted = predict(cluster, run_list)
+    measured = np.array([r.measured_step_time_s for r in run_list])
+    errors = predicted / measured - 1.0
+
+    refit_path = folder / "refit.yaml"
+    summary = json.loads(mosaic("calibrate", "--from-runs", str(runs), "--cluster", str(cluster_path),
+                                "-o", str(refit_path), "--json", capture=True))
+    loo = {row["run"]: row.get("predicted_leave_one_out_s") for row in summary["per_run"]}
+    loo_mape = summary["mape"].get("after_leave_one_run_out", float("nan"))
+
+    rows = []
+    for (name, model, layout, ranks), run, p, e in zip(order, run_list, predicted, errors):
+        rows.append({"name": name, "model": model, "layout": layout, "ranks": ranks, "steps_used": run.steps_used,
+                     "measured_step_time_s": float(run.measured_step_time_s), "predicted_s": float(p),
+                     "error": float(e), "predicted_loo_s": loo.get(name),
+                     "error_loo": (loo[name] / run.measured_step_time_s - 1.0) if loo.get(name) else None})
+    mape_before = float(np.mean(np.abs(errors)))
+    result = {
+        "device": args.device, "cluster": str(cluster_path), "steps": args.steps,
+        "load_average_before": [round(x, 2) for x in load_before], "load_average_after": [round(x, 2) for x in load_after],
+        "cpu_count": os.cpu_count(), "configs": rows,
+        "mape_before": mape_before, "max_abs_error_before": float(np.max(np.abs(errors))),
+        "kendall_tau_before": kendall(list(predicted), list(measured)),
+        "refit": {"fitted": summary["fitted"], "factors": summary["factors"], "fixed": summary["fixed"],
+                  "mape": summary["mape"], "cluster": str(refit_path)},
+        "mape_after_loo": loo_mape,
+        "kendall_tau_after_loo": kendall([r["predicted_loo_s"] for r in rows if r["predicted_loo_s"]],
+                                         [r["measured_step_time_s"] for r in rows if r["predicted_loo_s"]]),
+        "wall_s": round(time.perf_counter() - t_start, 1), "train_wall_s": {k: round(v, 1) for k, v in wall.items()},
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = args.out_dir / f"fidelity_{args.device}.json"
+    png_path = args.out_dir / f"fidelity_{args.device}.png"
+    write_text_atomic(json_path, json.dumps(result, indent=2) + "\n")
+    scatter(png_path, rows, f"{args.device}: MAPE {mape_before:.1%} before refit, {loo_mape:.1%} after (LOO); "
+            f"load {load_before[0]:.1f}")
+
+    print(f"\n{'configuration':<20} {'ranks':>5} {'measured ms':>12} {'predicted ms':>13} {'error':>8} {'LOO error':>10}")
+    for r in rows:
+        loo_text = f"{r['error_loo']:+.1%}" if r["error_loo"] is not None else "-"
+        print(f"{r['name']:<20} {r['ranks']:>5} {r['measured_step_time_s'] * 1e3:>12.2f} {r['predicted_s'] * 1e3:>13.2f} "
+              f"{r['error']:>+8.1%} {loo_text:>10}")
+    print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after the runs ({os.cpu_count()} cores)")
+    print(f"max |error| before refit: {result['max_abs_error_before']:.1%}; Kendall tau: {result['kendall_tau_before']:.3f} "
+          f"before, {result['kendall_tau_after_loo']:.3f} after (LOO); refit factors {summary['factors']}")
+    print(f"wrote {json_path} and {png_path}")
+    print(f"MAPE before refit: {mape_before * 100:.1f}%")
+    print(f"MAPE after refit (leave-one-out): {loo_mape * 100:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

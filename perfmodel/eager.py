@@ -1,0 +1,109 @@
+"""Host-side op counts of an eager PyTorch implementation (the bundled trainer).
+
+On CPU clusters (`ClusterSpec.host_cores` set) every rank is an eager PyTorch process
+(`mosaic train`, one thread per rank) whose core both dispatches and runs each aten op.
+At the sizes a CPU trains, the time per op is dominated by dispatch (Python module call,
+autograd recording, the dispatcher, the autograd engine in backward), so the model needs
+the number of ops the trainer really issues, not the fused-kernel counts of Megatron /
+Transformer Engine that `perfmodel.operators` states for GPUs (where the host enqueues
+ahead of the device and only the excess shows).
+
+Source of every count: `calibration.eager_ops.count_trainer_ops`, which runs one training
+step of the bundled trainer's model (`mosaic.trainer.model.Transformer`, AdamW foreach=False
+as in `mosaic.trainer.train.build_optimizer`) under a `TorchDispatchMode` that counts every
+aten op reaching a backend kernel (views included: they are dispatched too) and attributes
+forward ops by module pre-hooks and backward ops by gradient hooks on each block's output.
+Measured with torch 2.13 on the 2-layer tiny MoE of examples/tiny_moe.yaml (d_model 64,
+GQA 4/2 heads, 8 experts top-2, one shared expert, SwiGLU) and its variants (MHA, non-gated,
+no shared expert, recompute full/selective); counts do not depend on mbs or widths.
+The per-op time these counts multiply is `Accelerator.launch_latency_s`, which
+`mosaic calibrate` measures on CPU the same way (`calibration.eager_ops.eager_op_seconds`:
+an eager block forward + backward with autograd, divided by its dispatch-mode op count).
+
+Not counted (their ops are priced elsewhere or not modelled): collectives (one launch each,
+`perfmodel.evaluate`), DTensor (tensor parallel) and expert-parallel bookkeeping ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+EAGER_OPS = {
+    # block: (forward, backward) ops per micro-batch (per layer for layer blocks)
+    "embedding": (5.0, 2.0),      # arange/expand positions, lookup; embedding_dense_backward
+    "attention": (78.0, 81.0),    # RMSNorm, q/k/v/o linears, RoPE (recomputes cos/sin each call), SDPA, residual
+    "dense_ffn": (24.0, 50.0),    # RMSNorm, SwiGLU w1/w3/w2 linears, residual
+    "moe": (47.0, 72.0),          # RMSNorm, router (softmax, top-k, aux loss, counts), sort/gather, grouped GEMMs, index_add
+    "head": (19.0, 34.0),         # final RMSNorm, LM head, fp32 cross-entropy, loss normalisation
+}
+"""Measured counts of the tiny MoE with multi-head attention (n_kv_heads = n_heads), gated FFNs
+and no shared expert; the corrections below give the other variants."""
+EAGER_GQA_OPS = (8.0, 8.0)
+"""Grouped-query attention: repeat_interleave of K and V (measured GQA 86/89 vs MHA 78/81)."""
+EAGER_SHARED_EXPERT_OPS = (9.0, 26.0)
+"""A (gated) shared expert MLP on the MoE layer's input (measured 56/98 with, 47/72 without)."""
+EAGER_UNGATED_OPS = {"dense_ffn": (-5.0, -12.0), "moe": (-5.0, -18.0)}
+"""Plain GeLU MLPs instead of SwiGLU: one projection and one product fewer (measured: dense
+19/38 vs 24/50; MoE with shared expert 51/80 vs 56/98)."""
+EAGER_FULL_RECOMPUTE_OPS = 64.0
+"""Per layer, beyond re-running its forward: torch.utils.checkpoint (non-reentrant) saved-tensor
+hooks and detaches (measured: full recompute adds 380 ops per micro-batch to the 2-layer tiny
+MoE whose layer forwards are 252)."""
+EAGER_SELECTIVE_RECOMPUTE_OPS = 15.0
+"""Per layer: the checkpointed attention core again (K/V repeat, SDPA) plus checkpoint hooks
+(measured +30 per micro-batch on 2 layers)."""
+EAGER_OPS_PER_PARAM_TENSOR = 13.0
+"""AdamW with foreach=False (the trainer's optimizer: DTensor and plain expert tensors share a
+group): 10 ops per parameter tensor (2 add_, 2 mul_, lerp_, addcmul_, sqrt, div, addcdiv_, the
+step-count item); the global gradient norm: pow, sum, add_ per tensor."""
+EAGER_STEP_OPS = 42.0
+"""Once per step: loss-normalisation all-reduce, loss and load statistics, router-bias update,
+metrics, optimizer record_function (measured: dense 2-layer step minus its parts)."""
+EAGER_STEP_OPS_PER_MOE_LAYER = 17.0
+"""Once per step per MoE layer: reset and gather its expert-load counters."""
+EAGER_OPS_PER_MICRO_BATCH = 13.0
+"""Per micro-batch outside the model: batch to device, loss and aux accumulation (measured
+from 2 vs 4 micro-batches of the tiny MoE)."""
+
+
+def eager_block_ops(arch: Any) -> dict[str, tuple[Any, Any]]:
+    """(forward, backward) eager ops per micro-batch of each block (per layer for layer blocks)."""
+    f = np.asarray
+    gqa = f(arch.n_kv_heads, dtype=float) < f(arch.n_heads, dtype=float)
+    ungated = ~f(arch.gated_ffn, dtype=bool)
+    shared = f(arch.n_shared_experts, dtype=float) > 0
+    out: dict[str, tuple[Any, Any]] = {}
+    for block, (fwd, bwd) in EAGER_OPS.items():
+        fwd, bwd = f(fwd), f(bwd)
+        if block == "attention":
+            fwd, bwd = fwd + gqa * EAGER_GQA_OPS[0], bwd + gqa * EAGER_GQA_OPS[1]
+        if block == "moe":
+            fwd, bwd = fwd + shared * EAGER_SHARED_EXPERT_OPS[0], bwd + shared * EAGER_SHARED_EXPERT_OPS[1]
+        if block in EAGER_UNGATED_OPS:
+            d_fwd, d_bwd = EAGER_UNGATED_OPS[block]
+            fwd, bwd = fwd + ungated * d_fwd, bwd + ungated * d_bwd
+        out[block] = (fwd * 1.0, bwd * 1.0)
+    return out
+
+
+def eager_param_tensors(arch: Any) -> dict[str, Any]:
+    """Parameter tensors per block (per layer for layer blocks) of the bundled model: separate
+    q/k/v/o projections and an RMSNorm weight per norm."""
+    f = np.asarray
+    ffn = np.where(f(arch.gated_ffn, dtype=bool), 3.0, 2.0)
+    shared = np.where(f(arch.n_shared_experts, dtype=float) > 0, ffn, 0.0)
+    return {"embedding": f(1.0), "attention": f(5.0), "dense_ffn": 1.0 + ffn, "moe": 2.0 + ffn + shared,
+            "head": np.where(f(arch.tie_embeddings, dtype=bool), 1.0, 2.0)}
+
+
+def eager_step_ops(arch: Any, counts: dict[str, Any], micro_batches: Any) -> Any:
+    """Ops once per step on a stage holding counts[block] blocks: optimizer, gradient norm and
+    the trainer's bookkeeping (micro_batches per step)."""
+    tensors = eager_param_tensors(arch)
+    total: Any = 0.0
+    for block, n in tensors.items():
+        total = total + counts[block] * n
+    return (EAGER_OPS_PER_PARAM_TENSOR * total + EAGER_STEP_OPS + EAGER_STEP_OPS_PER_MOE_LAYER * counts["moe"]
+            + EAGER_OPS_PER_MICRO_BATCH * np.asarray(micro_batches, dtype=float))
