@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from mosaic.trainer.parallelize import Meshes, expert_parameters
 
 PREFIX = "step_"
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
@@ -68,14 +70,18 @@ def _wrap(tensor: torch.Tensor, meshes: Meshes) -> Any:
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, meshes: Meshes) -> dict[str, Any]:
+    # Flattened optimizer state ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): pipeline stages
+    # hold different parameters, so each key must name its parameter (as in torchtitan).
     model_sd = get_model_state_dict(model)
-    optim_sd = get_optimizer_state_dict(model, optimizer)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=OPTIONS)
     if meshes.ep > 1:
-        for name in _expert_names(model):
+        names = _expert_names(model)
+        for name in names:
             model_sd[name] = _wrap(model_sd[name], meshes)
-            if name in optim_sd["state"]:  # a new dict: the optimizer's own state must stay plain tensors
-                optim_sd["state"][name] = {key: _wrap(value, meshes) if isinstance(value, torch.Tensor) and value.ndim > 0
-                                           else value for key, value in optim_sd["state"][name].items()}
+        for key, value in list(optim_sd.items()):  # a new dict: the optimizer's own state stays plain tensors
+            if (key.startswith("state.") and isinstance(value, torch.Tensor) and value.ndim > 0
+                    and key[len("state."):].rsplit(".", 1)[0] in names):
+                optim_sd[key] = _wrap(value, meshes)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -125,6 +131,6 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meshes:
     state[f"rng_rank{rank}"] = {"cpu": torch.get_rng_state()}
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, _unwrap(state["model"]))
-    set_optimizer_state_dict(model, optimizer, _unwrap(state["optim"]))
+    set_optimizer_state_dict(model, optimizer, _unwrap(state["optim"]), options=OPTIONS)
     torch.set_rng_state(state[f"rng_rank{rank}"]["cpu"])
     return int(state["progress"]["step"])

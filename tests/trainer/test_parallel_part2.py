@@ -4,8 +4,9 @@ Parity: every 4-rank layout of the issue (tp=2 x dp=2, pp=2 x dp=2, pp=2 x ep=2,
 plus interleaved pp=2 x vpp=2 x ep=2 with full recompute and pp=2 x tp=2 with sequence
 parallel) trains the first 5 steps to the losses of the single-process run (fp32, rtol 1e-5).
 To keep the launches few, one torchrun of 4 ranks trains all parallel layouts one after the
-other in the same processes (`run(..., keep_process_group=True)`) and one torchrun of 1 rank
-trains the references (recompute none, selective and full).
+other in the same processes (`run(..., keep_process_group=True)`), then resumes two of them
+from their step-3 checkpoints, and one torchrun of 1 rank trains the references (recompute
+none, selective and full).
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ PARALLEL = {
     "pp2_vpp2_ep2_full": (TINY4, "pp=2,vpp=2,dp=2,ep=2,mbs=1,gbs=8,recompute=full", "ref4_mbs1"),
 }
 
+RESUMED = ("pp2_ep2", "tp2_ep2_sp")
+"""Resumed from their step-3 checkpoint in the same launch: pipeline-stage and tensor-parallel state."""
+
 WORKER = textwrap.dedent('''
-    import json, sys
+    import json, shutil, sys
     import torch.distributed as dist
     from mosaic.trainer.config import RunConfig, TrainOptions, check_runnable, trainer_precision
     from mosaic.trainer.train import run
@@ -64,9 +68,15 @@ WORKER = textwrap.dedent('''
     for job in jobs:
         arch = MoEArchitecture(**job["model"])
         layout = check_runnable(arch, parse_layout(job["layout"]), world)
+        resume = job.get("resume_from")
+        if resume and dist.get_rank() == 0:  # an earlier run as if it had died after its step-3 checkpoint
+            shutil.copytree(resume, job["out"])
+            shutil.rmtree(f"{job['out']}/checkpoints/step_{job['steps']:08d}")
+        dist.barrier()
         config = RunConfig(model=arch, layout=layout, cluster="cpu_local", device="cpu", world_size=world,
                            precision=trainer_precision(layout, "cpu"), out_dir=job["out"],
-                           train=TrainOptions(steps=job["steps"], progress=False))
+                           train=TrainOptions(steps=job["steps"], progress=False, checkpoint_every=3,
+                                              resume=bool(resume)))
         run(config, keep_process_group=True)
     dist.destroy_process_group()
 ''')
@@ -94,8 +104,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     outs = {name: root / name for name in [*REFERENCES, *PARALLEL]}
     _launch(root, "references", 1, [{"model": m, "layout": lay, "out": str(outs[n]), "steps": STEPS}
                                      for n, (m, lay) in REFERENCES.items()])
-    _launch(root, "parallel", 4, [{"model": m, "layout": lay, "out": str(outs[n]), "steps": STEPS}
-                                  for n, (m, lay, _) in PARALLEL.items()])
+    jobs = [{"model": m, "layout": lay, "out": str(outs[n]), "steps": STEPS} for n, (m, lay, _) in PARALLEL.items()]
+    for name in RESUMED:
+        outs[f"{name}_resumed"] = root / f"{name}_resumed"
+        jobs.append({**jobs[list(PARALLEL).index(name)], "out": str(outs[f"{name}_resumed"]),
+                     "resume_from": str(outs[name])})
+    _launch(root, "parallel", 4, jobs)
     return outs
 
 
@@ -107,6 +121,14 @@ def test_four_rank_layouts_match_the_single_process_run(runs, name):
     assert len(parallel) == len(single) == STEPS
     assert single[-1] < single[0]  # it trains
     np.testing.assert_allclose(parallel, single, rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMED)
+def test_resume_from_a_checkpoint_continues_the_same_losses(runs, name):
+    resumed, uninterrupted = _losses(runs[f"{name}_resumed"]), _losses(runs[name])
+    assert len(resumed) == STEPS
+    np.testing.assert_allclose(resumed, uninterrupted, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
