@@ -31,7 +31,8 @@ the *_hidden entries are communication that ran under compute (not added).
 MFU = model_flops_per_token (DESIGN.md convention) x tokens/s / (devices x
 peak of the layout's precision); on host-sized CPU clusters ranks beyond
 `host_cores` share the cores, so each rank's peak is scaled by
-min(1, host_cores / devices) for both time and MFU.
+min(1, host_cores / devices) for both time and MFU, and its launch latency
+divided by it (a rank gets that share of a core's time to dispatch).
 
 Infeasible candidates never raise: `feasible` is False and `reason` names the
 first failed check (invalid_layout, devices, precision, memory); their
@@ -446,7 +447,7 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
            tables: dict[str, dict[str, Any]], counts: dict[str, Any]) -> dict[str, Any]:
     """Per-micro-batch and per-step times of one pipeline stage."""
     ov = cluster.overlap
-    lat = hw.acc.launch_latency_s
+    lat = hw.acc.launch_latency_s / hw.share  # CPU ranks beyond the cores dispatch in turns (share 1 elsewhere)
     rc = np.asarray(recompute_code(lay))
     full = rc == FULL
     selective = rc == SELECTIVE

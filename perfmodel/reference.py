@@ -141,7 +141,7 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
     devices = world if devices is None else devices
     dev = _Device(cluster, lay.precision, devices)
     ov = cluster.overlap
-    lat = cluster.accelerator.launch_latency_s
+    lat = cluster.accelerator.launch_latency_s / dev.share  # ranks sharing a CPU core dispatch in turns
 
     # ---- sizes of one micro-batch on one rank
     tp, cp, ep, etp, pp, vpp, dp = lay.tp, lay.cp, lay.ep, lay.etp, lay.pp, lay.vpp, lay.dp
