@@ -261,6 +261,15 @@ def _measurement(prepared: Prepared, device: torch.device, stats: Any) -> Measur
 
 
 def _launch_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
+    if device.type == "cpu":
+        # The CPU model multiplies the eager ops of a training step by this figure
+        # (perfmodel.eager): time an eager block forward + backward with autograd, per op.
+        from calibration.eager_ops import eager_op_step
+
+        step, ops = eager_op_step()
+        samples = time_samples(step, device, budget)
+        stats = summarize([s / ops for s in samples])
+        return Measurement.from_stats(point.kind, device.type, point.precision, {"batch": ops}, 0.0, 0.0, stats)
     x = torch.zeros(1, device=device)
     batch = int(point.shape["batch"])
 

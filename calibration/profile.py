@@ -223,7 +223,9 @@ def calibrated_mapping(base: str, rows: Sequence[Measurement], provenance: Prove
                              "loo_time_median_abs_error": round(fit.median_abs_error, 4)}
     if cal.launch_latency_s is not None:
         acc["launch_latency_s"] = float(f"{cal.launch_latency_s:.4g}")
-        sources["launch_latency_s"] = f"measured (median host dispatch of a 1-element add, {provenance.device}): {stamp}"
+        what = ("an eager op with autograd: RMSNorm + SwiGLU blocks forward + backward per dispatched op, "
+                "calibration.eager_ops" if cpu else "host dispatch of a 1-element add")
+        sources["launch_latency_s"] = f"measured (median {what}, {provenance.device}): {stamp}"
         section["launch"] = {"latency_s": float(f"{cal.launch_latency_s:.4g}"), "noise": round(cal.launch_noise or 0.0, 4)}
     if cal.grouped_gemm is not None:
         section["grouped_gemm"] = cal.grouped_gemm

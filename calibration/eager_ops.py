@@ -1,0 +1,178 @@
+"""Eager PyTorch op counts and per-op host cost, the way the CPU model uses them.
+
+On CPU clusters `perfmodel.evaluate` prices a training step as (ops the bundled trainer
+dispatches) x `launch_latency_s` + device time (`perfmodel.eager`). Both factors come from
+here, measured with one definition of "op": an aten op that reaches a backend kernel,
+counted by a `TorchDispatchMode` (below autograd, so a `linear` is its `t` + `mm` + views
+and the backward's ops are counted as the autograd engine runs them).
+
+- `count_trainer_ops(arch)`: ops of one training step of `mosaic.trainer.model.Transformer`
+  per block and phase (forward ops attributed by module pre-hooks, backward ops by gradient
+  hooks on each block's output), and the optimizer's. The source of `perfmodel.eager`'s
+  constants: `python -m calibration.eager_ops` prints them for examples/tiny_moe.yaml and
+  its variants.
+- `eager_op_seconds()`: host time per op of an eager transformer-style block (RMSNorm, SwiGLU
+  MLP, residual; nn.Modules with autograd) run forward + backward, divided by its
+  dispatch-mode op count: what one counted op costs in the trainer (Python module call,
+  autograd recording, dispatcher, autograd engine). `mosaic calibrate` on cpu stores it as
+  `launch_latency_s` (a bare `x.add_(1)` measures only the dispatcher: 3-5 us here, 3-4x
+  less than an op of the trainer).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+EAGER_BLOCK_WIDTH = 64
+EAGER_BLOCK_TOKENS = 64
+"""The timed block's sizes: the tiny models the CPU trainer runs (d_model 64, 2 x 32 tokens),
+small enough that dispatch, not arithmetic, sets its time."""
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops reaching a kernel, under the current `label`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.label = "other"
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.names: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        self.counts[self.label] += 1
+        self.names[self.label][func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_trainer_ops(arch: Any, recompute: str = "none", mbs: int = 2) -> dict[str, int]:
+    """Ops of one training step of the bundled model on one device, keyed phase_block
+    (fwd_attention, bwd_moe, ... per micro-batch, summed over layers) and `opt` (AdamW
+    foreach=False as the trainer builds it). The second of two steps is counted (the first
+    creates optimizer state)."""
+    import torch.nn.functional as F
+
+    from mosaic.trainer.model import Transformer
+    from mosaic.trainer.parallelize import apply_ac
+
+    torch.manual_seed(0)
+    model = Transformer(arch)
+    apply_ac(model, recompute)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    counter = OpCounter()
+
+    def start(label: str) -> Any:
+        def hook(*_: Any) -> None:
+            counter.label = label
+        return hook
+
+    def on_grad(label: str) -> Any:
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            if out.requires_grad:
+                out.register_hook(lambda _grad: start(label)())
+        return hook
+
+    model.tok_embeddings.register_forward_pre_hook(start("fwd_embedding"))
+    model.tok_embeddings.register_forward_hook(on_grad("bwd_embedding"))
+    for block in model.layers.values():
+        ffn = "moe" if block.is_moe else "dense_ffn"
+        block.attn_norm.register_forward_pre_hook(start("fwd_attention"))
+        block.attn.register_forward_hook(on_grad("bwd_attention"))
+        block.ffn_norm.register_forward_pre_hook(start(f"fwd_{ffn}"))
+        block.ffn.register_forward_hook(on_grad(f"bwd_{ffn}"))
+    model.norm.register_forward_pre_hook(start("fwd_head"))
+    tokens = torch.randint(0, arch.vocab_size, (mbs, arch.seq_len))
+    labels = torch.randint(0, arch.vocab_size, (mbs, arch.seq_len))
+    for _ in range(2):
+        counter.counts.clear()
+        counter.names.clear()
+        with counter:
+            counter.label = "fwd_embedding"
+            logits, aux = model(tokens)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+            objective = ce / labels.numel() + 0.01 * aux
+            counter.label = "bwd_head"
+            objective.backward()
+            counter.label = "opt"
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return dict(counter.counts)
+
+
+class _Block(torch.nn.Module):
+    """RMSNorm -> SwiGLU MLP -> residual, as in the bundled model's dense layer."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(width, eps=1e-6)
+        self.w1 = torch.nn.Linear(width, 2 * width, bias=False)
+        self.w3 = torch.nn.Linear(width, 2 * width, bias=False)
+        self.w2 = torch.nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+def eager_op_step(width: int = EAGER_BLOCK_WIDTH, tokens: int = EAGER_BLOCK_TOKENS) -> tuple[Any, int]:
+    """(step, ops): a callable running a 4-block eager stack forward + backward on cpu with
+    autograd, and the dispatch-mode op count of one call."""
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[_Block(width) for _ in range(4)])
+    x = torch.randn(tokens, width, requires_grad=True)
+
+    def step() -> None:
+        blocks(x).sum().backward()
+        for p in blocks.parameters():
+            p.grad = None
+        x.grad = None
+
+    counter = OpCounter()
+    with counter:
+        step()
+    return step, sum(counter.counts.values())
+
+
+def eager_op_seconds(repeats: int = 30, max_seconds: float = 0.5) -> tuple[float, float, int]:
+    """(median seconds per op, IQR/median noise, ops per sample) of `eager_op_step`."""
+    from calibration.stats import summarize
+
+    step, ops = eager_op_step()
+    for _ in range(3):
+        step()
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < repeats or (time.perf_counter() - started < max_seconds and len(samples) < 10 * repeats):
+        t0 = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - t0) / ops)
+    stats = summarize(samples)
+    return float(stats.median_s), float(stats.iqr_s / stats.median_s), ops
+
+
+def _main() -> None:
+    from perfmodel.specs.architecture import MoEArchitecture
+    from perfmodel.specs.strict import load_spec
+
+    torch.set_num_threads(1)
+    arch = load_spec(MoEArchitecture, "examples/tiny_moe.yaml")
+    variants = {"tiny_moe (GQA, SwiGLU, shared expert)": (arch, "none"),
+                "MHA": (dataclasses.replace(arch, n_kv_heads=arch.n_heads), "none"),
+                "non-gated": (dataclasses.replace(arch, gated_ffn=False), "none"),
+                "no shared expert": (dataclasses.replace(arch, n_shared_experts=0), "none"),
+                "recompute full": (arch, "full"), "recompute selective": (arch, "selective")}
+    for name, (a, ac) in variants.items():
+        counts = count_trainer_ops(a, ac)
+        print(f"{name}: total {sum(counts.values())}  {counts}")
+    per_op, noise, ops = eager_op_seconds()
+    print(f"eager op with autograd (fwd + bwd, {ops} ops per sample): {per_op * 1e6:.2f} us per op (noise {noise:.2f})")
+
+
+if __name__ == "__main__":
+    _main()
