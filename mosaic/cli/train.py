@@ -1,8 +1,8 @@
 """`mosaic train`: run a plan (or a model + layout) in the bundled trainer.
 
 Everything is checked before any process starts: the plan/model files
-(strictly), the layout against the shared validity rules and what trainer part
-1 runs, the cluster file (the device peak for MFU). Then DIR/run.yaml is written
+(strictly), the layout against the shared validity rules and what the trainer
+runs (`trainer_limits`, `trainer_precision`), the cluster file (the device peak for MFU). Then DIR/run.yaml is written
 and torchrun is launched for the layout's world size (or, already under
 torchrun or for one process, training runs in this process). torch is imported
 inside the command only, so `mosaic --help` works without it.
@@ -181,7 +181,7 @@ def train(
     data: str = typer.Option("synthetic", "--data", help="'synthetic' or a token file NAME.bin (+ NAME.idx.npz)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress display on rank 0."),
 ) -> None:
-    """Train a plan's model with its layout (data + expert parallel) and write metrics.jsonl."""
+    """Train a plan's model with its layout (data, tensor, pipeline, expert parallel) and write metrics.jsonl."""
     options = {"steps": steps, "resume": resume, "checkpoint_every": checkpoint_every, "seed": seed, "lr": lr,
                "warmup_steps": warmup, "router": router, "experts": experts, "data": data, "progress": progress}
     config = build_config(plan=plan, model=model, layout=layout, nproc=nproc, device=device, cluster=cluster,

@@ -64,9 +64,12 @@ def _expert_names(model: nn.Module) -> set[str]:
     return names
 
 
-def _wrap(tensor: torch.Tensor, meshes: Meshes) -> Any:
+def _wrap(tensor: torch.Tensor, meshes: Meshes, name: str) -> Any:
     # NOTE: from_local shares storage, so DCP's in-place load fills `tensor`.
-    return DTensor.from_local(tensor, meshes.expert_shard_mesh, [Replicate(), Shard(0)], run_check=False)
+    placements = [Replicate(), Shard(0)]
+    if meshes.etp > 1:  # d_expert split: dim 2 of w1/w3 (E, H, F), dim 1 of w2 (E, F, H)
+        placements.append(Shard(1 if name.endswith("w2") else 2))
+    return DTensor.from_local(tensor, meshes.expert_shard_mesh, placements, run_check=False)
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, meshes: Meshes) -> dict[str, Any]:
@@ -74,14 +77,14 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, meshes: Meshes) -
     # hold different parameters, so each key must name its parameter (as in torchtitan).
     model_sd = get_model_state_dict(model)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=OPTIONS)
-    if meshes.ep > 1:
+    if meshes.ep > 1 or meshes.etp > 1:
         names = _expert_names(model)
         for name in names:
-            model_sd[name] = _wrap(model_sd[name], meshes)
+            model_sd[name] = _wrap(model_sd[name], meshes, name)
         for key, value in list(optim_sd.items()):  # a new dict: the optimizer's own state stays plain tensors
-            if (key.startswith("state.") and isinstance(value, torch.Tensor) and value.ndim > 0
-                    and key[len("state."):].rsplit(".", 1)[0] in names):
-                optim_sd[key] = _wrap(value, meshes)
+            param = key[len("state."):].rsplit(".", 1)[0]
+            if key.startswith("state.") and isinstance(value, torch.Tensor) and value.ndim > 0 and param in names:
+                optim_sd[key] = _wrap(value, meshes, param)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -90,7 +93,7 @@ def _unwrap(tree: Any) -> Any:
         return {k: _unwrap(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_unwrap(v) for v in tree]
-    if isinstance(tree, DTensor) and tree.device_mesh.mesh_dim_names == ("edp", "ep"):
+    if isinstance(tree, DTensor) and tree.device_mesh.mesh_dim_names in (("edp", "ep"), ("edp", "ep", "etp")):
         return tree.to_local()
     return tree
 

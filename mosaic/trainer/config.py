@@ -137,9 +137,6 @@ def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
     problems = []
     if layout.cp > 1:
         problems.append(f"cp={layout.cp}: context parallel is not implemented in the bundled trainer; use cp=1")
-    if layout.etp > 1:
-        problems.append(f"etp={layout.etp}: expert-tensor parallel is not implemented in the bundled trainer; "
-                        "use etp=1 (Megatron-Core's recommendation for fine-grained experts) with ep")
     if layout.tp > 1:
         if model.seq_len % layout.tp:
             problems.append(f"tp={layout.tp} must divide seq_len={model.seq_len} (MoE layers and sequence parallel "

@@ -7,7 +7,8 @@ Order (as `parallelize` applies them; torchtitan's order):
                  this rank's sequence shard.
   2. `apply_ep`  experts resident on their expert-parallel rank; tokens moved by
                  `all_to_all_single` with variable splits (dispatch and combine live
-                 here, outside the MoE module).
+                 here, outside the MoE module); with etp > 1 each expert's d_expert is
+                 split over the etp group (rows gathered there, partial outputs summed back).
   3. `apply_ac`  activation recompute (none / selective: attention core / full: each block).
   4. `apply_dp`  data parallel for the NON-expert parameters: DDP (`ddp`; FSDP2 `replicate`
                  with tensor parallel), FSDP2 `fully_shard` keeping weights gathered through
@@ -108,8 +109,8 @@ class Meshes:
 
     @property
     def expert_shard_mesh(self) -> DeviceMesh:
-        """("edp", "ep") of this pipeline stage: experts replicated over edp, split over ep."""
-        return self.expert["edp", "ep"]
+        """("edp", "ep"[, "etp"]) of this pipeline stage: experts replicated over edp, split over ep (and etp)."""
+        return self.expert["edp", "ep", "etp"] if self.etp > 1 else self.expert["edp", "ep"]
 
 
 def build_meshes(layout: ParallelLayout, device_type: str) -> Meshes:
@@ -161,18 +162,28 @@ class ExpertParallelExperts(GroupedExperts):
 
     Same parameter names as `GroupedExperts` (local slices along the expert
     dimension), so checkpoints name them like the single-device model.
+
+    Expert-tensor parallel (etp > 1, Megatron-Core's expert TP): each expert's hidden width
+    d_expert is split over the etp group (w1, w3 column-wise, w2 row-wise). After the
+    expert-parallel dispatch, the etp group's tokens are gathered on every etp rank, each
+    computes its slice of d_expert, and the partial outputs are summed back to the rank that
+    holds the tokens (a reduce-scatter); both exchanges are differentiable all-to-alls.
     """
 
-    def __init__(self, full: GroupedExperts, ep: int, ep_rank: int, group: dist.ProcessGroup):
+    def __init__(self, full: GroupedExperts, ep: int, ep_rank: int, group: dist.ProcessGroup,
+                 etp: int = 1, etp_rank: int = 0, etp_group: Optional[dist.ProcessGroup] = None):
         local = full.n_experts // ep
-        super().__init__(local, full.w1.shape[1], full.w1.shape[2], full.gated, full.impl)
+        width = full.w1.shape[2] // etp
+        super().__init__(local, full.w1.shape[1], width, full.gated, full.impl)
         self.ep, self.ep_rank, self.group, self.n_global = ep, ep_rank, group, full.n_experts
+        self.etp, self.etp_group = etp, etp_group
         sl = slice(ep_rank * local, (ep_rank + 1) * local)
+        fsl = slice(etp_rank * width, (etp_rank + 1) * width)
         with torch.no_grad():
             for name in ("w1", "w2", "w3"):
                 src = getattr(full, name)
                 if src is not None:
-                    getattr(self, name).copy_(src[sl])
+                    getattr(self, name).copy_(src[sl, fsl, :] if name == "w2" else src[sl, :, fsl])
 
     def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep, self.n_experts
@@ -189,10 +200,31 @@ class ExpertParallelExperts(GroupedExperts):
         x_recv = AllToAll.apply(x_NH, out_splits, in_splits, self.group)
         # 3. regroup expert-major (expert 0 from all sources, expert 1, ...)
         perm = _source_to_expert_major(recv_SE)
-        y_local = super().forward(x_recv[perm], recv_SE.sum(0))
+        y_local = self._local_experts(x_recv[perm], recv_SE.sum(0))
         y_recv = torch.empty_like(y_local).index_copy(0, perm, y_local) if perm.numel() else y_local
         # 4. combine: send results back along the reversed splits
         return AllToAll.apply(y_recv, in_splits, out_splits, self.group)
+
+    def _local_experts(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on expert-sorted rows (with etp: over the etp group's rows)."""
+        if self.etp == 1:
+            return super().forward(x_NH, counts_E)
+        etp, group = self.etp, self.etp_group
+        # counts of every etp rank: counts_TE[t, e]
+        counts_TE = torch.empty(etp * counts_E.numel(), dtype=counts_E.dtype, device=counts_E.device)
+        dist.all_to_all_single(counts_TE, counts_E.repeat(etp), group=group)
+        counts_TE = counts_TE.view(etp, -1)
+        # NOTE: host-device sync (split sizes).
+        n_of = counts_TE.sum(1).tolist()
+        n_me = x_NH.shape[0]
+        # all-gather of the rows (its backward sums the gradients of every copy)
+        x_all = AllToAll.apply(x_NH.repeat(etp, 1), n_of, [n_me] * etp, group)
+        perm = _source_to_expert_major(counts_TE)
+        y_part = super().forward(x_all[perm], counts_TE.sum(0))  # partial sums over my d_expert slice
+        y_all = torch.empty_like(y_part).index_copy(0, perm, y_part) if perm.numel() else y_part
+        # reduce-scatter: every etp rank's partial sums of my rows, added
+        y_back = AllToAll.apply(y_all, [n_me] * etp, n_of, group)
+        return y_back.view(etp, n_me, -1).sum(0)
 
 
 def _source_to_expert_major(counts_SE: torch.Tensor) -> torch.Tensor:
@@ -214,10 +246,12 @@ def apply_ep(model: Transformer, meshes: Meshes) -> None:
     single process) and keeps the local slice; a model whose experts do not fit one
     device at init needs meta-device initialisation (not done yet).
     """
-    if meshes.ep == 1:
+    if meshes.ep == 1 and meshes.etp == 1:
         return
+    etp_group = meshes.expert.get_group("etp") if meshes.etp > 1 else None
     for moe in model.moe_layers():
-        moe.experts = ExpertParallelExperts(moe.experts, meshes.ep, meshes.ep_rank, meshes.ep_group)
+        moe.experts = ExpertParallelExperts(moe.experts, meshes.ep, meshes.ep_rank, meshes.ep_group,
+                                            meshes.etp, meshes.expert.get_local_rank("etp"), etp_group)
 
 
 # ---------------------------------------------------------------------------
@@ -319,6 +353,8 @@ def clip_grad_norm(model: nn.Module, meshes: Meshes, max_norm: float) -> torch.T
         sharded_sq += by_spec[key].full_tensor()
     if meshes.ep > 1:
         dist.all_reduce(expert_sq, group=meshes.ep_group)
+    if meshes.etp > 1:
+        dist.all_reduce(expert_sq, group=meshes.expert.get_group("etp"))
     total_sq = sharded_sq + replicated_sq + expert_sq
     if meshes.pp > 1:
         dist.all_reduce(total_sq, group=meshes.pp_group)

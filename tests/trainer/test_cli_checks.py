@@ -43,7 +43,7 @@ TINY_MODEL = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, v
     ({"dp": 2, "ep": 2, "mbs": 2, "gbs": 8}, 4, "world_matches"),
     ({"dp": 2, "mbs": 2, "gbs": 6}, None, "batch_divides"),
     ({"cp": 2, "dp": 1, "mbs": 1, "gbs": 1}, None, "context parallel is not implemented"),
-    ({"etp": 2, "ep": 1, "dp": 2, "mbs": 1, "gbs": 2}, None, "expert-tensor parallel is not implemented"),
+    ({"dp": 2, "mbs": 1, "gbs": 2, "sequence_parallel": True}, None, "sequence_parallel=true needs tp > 1"),
     ({"pp": 2, "dp": 1, "mbs": 1, "gbs": 1}, None, "at least pp micro-batches"),
     ({"tp": 2, "dp": 1, "mbs": 1, "gbs": 1, "precision": "fp8"}, None, "fp8"),
 ])

@@ -1,8 +1,8 @@
 """Trainer part 2: tensor, pipeline (1F1B, interleaved), recompute and precision.
 
 Parity: every 4-rank layout of the issue (tp=2 x dp=2, pp=2 x dp=2, pp=2 x ep=2, tp=2 x ep=2,
-plus interleaved pp=2 x vpp=2 x ep=2 with full recompute and pp=2 x tp=2 with sequence
-parallel) trains the first 5 steps to the losses of the single-process run (fp32, rtol 1e-5).
+plus interleaved pp=2 x vpp=2 x ep=2 with full recompute, pp=2 x tp=2 with sequence parallel
+and expert-tensor parallel etp=2) trains the first 5 steps to the losses of the single-process run (fp32, rtol 1e-5).
 To keep the launches few, one torchrun of 4 ranks trains all parallel layouts one after the
 other in the same processes (`run(..., keep_process_group=True)`), then resumes two of them
 from their step-3 checkpoints, and one torchrun of 1 rank trains the references (recompute
@@ -49,9 +49,12 @@ PARALLEL = {
     "pp2_ep2": (TINY, "pp=2,dp=2,ep=2,mbs=2,gbs=8,dp_flavor=fsdp", "ref"),
     "pp2_tp2_sp": (TINY, "pp=2,tp=2,mbs=2,gbs=8,sequence_parallel=true", "ref"),
     "pp2_vpp2_ep2_full": (TINY4, "pp=2,vpp=2,dp=2,ep=2,mbs=1,gbs=8,recompute=full", "ref4_mbs1"),
+    # expert-tensor parallel: d_expert split over etp (edp = 1, then edp = 2)
+    "tp2_ep2_etp2_sp": (TINY, "tp=2,dp=2,ep=2,etp=2,mbs=2,gbs=8,sequence_parallel=true", "ref"),
+    "dp4_etp2": (TINY, "dp=4,etp=2,mbs=2,gbs=8,dp_flavor=ddp", "ref"),
 }
 
-RESUMED = ("pp2_ep2", "tp2_ep2_sp")
+RESUMED = ("pp2_ep2", "tp2_ep2_etp2_sp")
 """Resumed from their step-3 checkpoint in the same launch: pipeline-stage and tensor-parallel state."""
 
 WORKER = textwrap.dedent('''
@@ -178,7 +181,6 @@ def _arch(**changes) -> MoEArchitecture:
 
 @pytest.mark.parametrize("changes,layout,devices,message", [
     ({}, "cp=2,dp=1,mbs=1,gbs=1", 2, "context parallel is not implemented"),
-    ({}, "etp=2,dp=2,mbs=1,gbs=2", 2, "expert-tensor parallel is not implemented"),
     ({"tie_embeddings": True}, "tp=2,dp=1,mbs=1,gbs=1", 2, "tie_embeddings=true with tp > 1"),
     ({"tie_embeddings": True}, "pp=2,dp=1,mbs=1,gbs=4", 2, "tie_embeddings=true with pp > 1"),
     ({"seq_len": 15}, "tp=2,dp=1,mbs=1,gbs=1", 2, "must divide seq_len=15"),
