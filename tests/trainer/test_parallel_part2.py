@@ -76,8 +76,9 @@ WORKER = textwrap.dedent('''
             shutil.copytree(resume, job["out"])
             shutil.rmtree(f"{job['out']}/checkpoints/step_{job['steps']:08d}")
         dist.barrier()
+        precision = job.get("precision") or trainer_precision(layout, "cpu")
         config = RunConfig(model=arch, layout=layout, cluster="cpu_local", device="cpu", world_size=world,
-                           precision=trainer_precision(layout, "cpu"), out_dir=job["out"],
+                           precision=precision, out_dir=job["out"],
                            train=TrainOptions(steps=job["steps"], progress=False, checkpoint_every=3,
                                               resume=bool(resume)))
         run(config, keep_process_group=True)
@@ -108,6 +109,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     _launch(root, "references", 1, [{"model": m, "layout": lay, "out": str(outs[n]), "steps": STEPS}
                                      for n, (m, lay) in REFERENCES.items()])
     jobs = [{"model": m, "layout": lay, "out": str(outs[n]), "steps": STEPS} for n, (m, lay, _) in PARALLEL.items()]
+    # bf16 autocast (cpu autocast, what cuda/npu runs use) through a pipeline with tensor parallel
+    outs["pp2_tp2_sp_bf16"] = root / "pp2_tp2_sp_bf16"
+    jobs.append({**jobs[list(PARALLEL).index("pp2_tp2_sp")], "out": str(outs["pp2_tp2_sp_bf16"]), "precision": "bf16"})
     for name in RESUMED:
         outs[f"{name}_resumed"] = root / f"{name}_resumed"
         jobs.append({**jobs[list(PARALLEL).index(name)], "out": str(outs[f"{name}_resumed"]),
@@ -132,6 +136,13 @@ def test_resume_from_a_checkpoint_continues_the_same_losses(runs, name):
     resumed, uninterrupted = _losses(runs[f"{name}_resumed"]), _losses(runs[name])
     assert len(resumed) == STEPS
     np.testing.assert_allclose(resumed, uninterrupted, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_bf16_autocast_trains_through_the_pipeline_close_to_fp32(runs):
+    bf16, fp32 = _losses(runs["pp2_tp2_sp_bf16"]), _losses(runs["ref"])
+    assert len(bf16) == STEPS and bf16 != fp32  # autocast did change the arithmetic
+    np.testing.assert_allclose(bf16, fp32, rtol=2e-2)
 
 
 @pytest.mark.slow
