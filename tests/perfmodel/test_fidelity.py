@@ -191,3 +191,21 @@ def test_grouped_expert_gemm_launches_one_gemm_per_local_expert():
         local = MOE.n_experts / ep
         assert [float(k) for k in up.kernels] == [local] * 3
         assert float(up.kernel_flops[0]) == pytest.approx(float(up.flops[0]) / local)
+
+
+def test_expert_optimizer_states_shard_over_expert_data_parallel_group():
+    """Megatron-Core distributed optimizer: dense states shard over dp (x cp), routed experts
+    over their own expert-data-parallel group edp = tp*cp*dp / (etp*ep) (MoE parallel folding)."""
+    dp, ep = 8, 4
+    expert_params = MOE.n_layers * MOE.n_experts / ep * 3 * MOE.d_model * MOE.d_expert
+    mem = {}
+    for flavor in ("ddp", "zero1"):
+        layout = parse_layout(f"dp={dp},ep={ep},dp_flavor={flavor},mbs=1,gbs=64", devices=dp)
+        mem[flavor] = stage_memory(MOE, layout, H100, "first", stage_layer_counts(MOE, layout)["first"])
+    dense_params = float(mem["ddp"]["optimizer"]) / 12 - expert_params
+    assert dense_params > 0
+    edp = dp // ep
+    assert float(mem["zero1"]["optimizer"]) == pytest.approx(12 * (dense_params / dp + expert_params / edp))
+    # weights and main gradients stay whole under the distributed optimizer (6 B per parameter)
+    assert float(mem["zero1"]["weights"] + mem["zero1"]["gradients"]) == pytest.approx(
+        6 * (dense_params + expert_params))
