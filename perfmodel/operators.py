@@ -345,7 +345,7 @@ def dense_ffn_ops(arch: Any, lay: Any) -> list[Op]:
 
 
 def moe_ops(arch: Any, lay: Any) -> list[Op]:
-    """Norm, router (+softmax/top-k), permute, grouped expert GEMMs, un-permute and
+    """Norm, router (+softmax/top-k, load-balancing loss), permute, grouped expert GEMMs, un-permute and
     combine, shared experts, residual."""
     sh = shapes(arch, lay)
     b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
@@ -361,6 +361,11 @@ def moe_ops(arch: Any, lay: Any) -> list[Op]:
         _memory("moe_norm", "moe", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
         _gemm("router", "moe", "gemm_hp", T_moe, h, E, b, 4.0),
         _memory("router_topk", "moe", 4.0 * T_moe * E * 2.0, 4.0 * T_moe * E * 3.0, 3.0, 3.0),
+        # load-balancing loss (Switch; Megatron-Core `TopKRouter._apply_aux_loss` ->
+        # `switch_load_balancing_loss_func`): fp32 scores softmax again (read + write T·E·4),
+        # tokens per expert from the routing map (T·E·1), sum of scores over tokens (T·E·4);
+        # backward: broadcast the gradient (write 4) and the softmax backward (read 8, write 4)
+        _memory("router_aux_loss", "moe", 13.0 * T_moe * E, 16.0 * T_moe * E, 4.0, 2.0),
         _memory("permute", "moe", permute_bytes, permute_bytes, 2.0, 2.0),
         _gemm("expert_up", "moe", "expert_gemm", M, h, np.where(gated, 2.0, 1.0) * d_local, b_in, b,
               groups=sh["E_local"]),

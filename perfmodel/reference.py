@@ -208,6 +208,7 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
         _mem("moe_norm", norm_f, norm_b),
         _gemm("router", "gemm_hp", T_moe, h, E, b, 4.0),
         _mem("router_topk", 8.0 * T_moe * E, 12.0 * T_moe * E, 3.0, 3.0),
+        _mem("router_aux_loss", 13.0 * T_moe * E, 16.0 * T_moe * E, 4.0, 2.0),   # Switch balancing loss
         _mem("permute", 2.0 * b * copies * h, 2.0 * b * copies * h, 2.0, 2.0),
         _gemm("expert_up", "expert_gemm", M, h, up * d_loc, b_in, b, E_local),
         _mem("expert_act", ef, eb),

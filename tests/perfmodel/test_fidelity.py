@@ -209,3 +209,13 @@ def test_expert_optimizer_states_shard_over_expert_data_parallel_group():
     # weights and main gradients stay whole under the distributed optimizer (6 B per parameter)
     assert float(mem["zero1"]["weights"] + mem["zero1"]["gradients"]) == pytest.approx(
         6 * (dense_params + expert_params))
+
+
+def test_router_load_balancing_loss_is_a_memory_bound_cost_of_tokens_times_experts():
+    layout = parse_layout("tp=2,sp=true,ep=4,gbs=8", devices=8)
+    aux = _op(MOE, layout, "moe", "router_aux_loss")
+    tokens = MOE.seq_len / 2  # routed per rank: sequence-split over tp
+    assert float(aux.bytes[0]) == pytest.approx(13 * tokens * MOE.n_experts)
+    assert float(aux.bytes[1]) == pytest.approx(16 * tokens * MOE.n_experts)
+    doubled = _op(MOE.replace(n_experts=64), layout, "moe", "router_aux_loss")
+    assert float(doubled.bytes[0]) == pytest.approx(2 * float(aux.bytes[0]))
