@@ -26,13 +26,20 @@ def build_problem(cluster: Any, devices: Optional[int] = None, days: Optional[fl
     from mosaic.planner.enumerate import Problem
     from mosaic.planner.law import load_law
     from mosaic.planner.space import SearchSpace, load_space
-    from perfmodel.clusters import load_cluster
+    from perfmodel.clusters import bundled_cluster_paths, load_cluster, resolve_cluster_path
 
-    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(str(cluster))
+    cluster_file = None
+    if isinstance(cluster, ClusterSpec):
+        spec = cluster
+    else:
+        spec = load_cluster(str(cluster))
+        path = resolve_cluster_path(str(cluster)).resolve()
+        if path not in {p.resolve() for p in bundled_cluster_paths().values()}:
+            cluster_file = str(path)
     law = fit if (fit is not None and hasattr(fit, "predict")) else load_law(fit)
     sp = space if isinstance(space, SearchSpace) else load_space(space)
     budget = make_budget(spec, devices=devices, days=days, hours=hours)
-    return Problem(spec, budget, sp, law, prune=prune)
+    return Problem(spec, budget, sp, law, prune=prune, cluster_file=cluster_file)
 
 
 def plan(cluster: Any, **kwargs: Any) -> Any:

@@ -57,6 +57,8 @@ class Problem:
     flops_per_token: np.ndarray = field(init=False)
     prune: bool = True
     geometry_filter: Optional[Callable[[GeometrySet], np.ndarray]] = None
+    cluster_file: Optional[str] = None
+    """Absolute path of the cluster YAML when it is not a bundled one (recorded in the plan)."""
     _cache: dict[int, GeometryResults] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -264,7 +264,8 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
     return {
         "version": PLAN_VERSION,
         "tool_version": __version__,
-        "cluster": {"name": p.cluster.name, "hash": p.cluster.content_hash()},
+        "cluster": {"name": p.cluster.name, "hash": p.cluster.content_hash(),
+                    **({"file": p.cluster_file} if p.cluster_file else {})},
         "fit": {"name": getattr(law, "name", "law"), "hash": law.content_hash()},
         "budget": p.budget.as_dict(),
         "model": {name: getattr(chosen.arch, name) for name in ARCH_FIELDS},

@@ -201,7 +201,7 @@ def _check_version(data: Mapping[str, Any], source: str) -> None:
 
 
 def load_plan(path: str | Path) -> tuple[MoEArchitecture, ParallelLayout, Optional[str]]:
-    """The model, layout and cluster name of a plan YAML (other sections are the planner's)."""
+    """The model, layout and cluster (name or file) of a plan YAML (other sections are the planner's)."""
     source = str(path)
     data = read_yaml(path)
     _check_version(data, source)
@@ -210,7 +210,10 @@ def load_plan(path: str | Path) -> tuple[MoEArchitecture, ParallelLayout, Option
             raise InputError(f"{source}: missing key '{key}'; a plan needs 'model' and 'layout' mappings")
     cluster = data.get("cluster")
     if isinstance(cluster, Mapping):
-        cluster = cluster.get("name")
+        # A plan made from a cluster file that is not bundled (e.g. a calibrated one)
+        # records the file; prefer it while it exists, the name otherwise.
+        cluster_file = cluster.get("file")
+        cluster = cluster_file if isinstance(cluster_file, str) and Path(cluster_file).is_file() else cluster.get("name")
     if cluster is not None and not isinstance(cluster, str):
         raise InputError(f"{source}: key 'cluster' must be a cluster name or a mapping with 'name'")
     return model_from_mapping(data["model"], source), layout_from_mapping(data["layout"], source), cluster

@@ -142,3 +142,19 @@ def test_bootstrap_probability_that_the_plan_beats_the_runner_up(result, planted
 
     assert p == pytest.approx(np.mean(boot(best) < boot(runner)))
     assert 0.0 < p < 1.0 or best.tokens == runner.tokens
+
+
+def test_plan_from_a_cluster_file_records_it_for_the_trainer(law, space, tmp_path):
+    """A calibrated (non-bundled) cluster is not findable by name: the plan records its file."""
+    from mosaic.trainer.config import load_plan as trainer_load_plan
+    from perfmodel.clusters import resolve_cluster_path
+
+    site = tmp_path / "site.yaml"
+    site.write_text(resolve_cluster_path("h100").read_text().replace("name: h100", "name: h100_site", 1))
+    path = tmp_path / "plan.yaml"
+    write_plan(str(path), solve(build_problem(str(site), devices=64, days=5, fit=law, space=space), top=1))
+    data = yaml.safe_load(path.read_text())
+    assert data["cluster"]["name"] == "h100_site" and data["cluster"]["file"] == str(site.resolve())
+    assert trainer_load_plan(path)[2] == str(site.resolve())
+    site.unlink()  # moved away: the trainer falls back to the recorded name
+    assert trainer_load_plan(path)[2] == "h100_site"
