@@ -80,7 +80,7 @@ WORKER = textwrap.dedent('''
         config = RunConfig(model=arch, layout=layout, cluster="cpu_local", device="cpu", world_size=world,
                            precision=precision, out_dir=job["out"],
                            train=TrainOptions(steps=job["steps"], progress=False, checkpoint_every=3,
-                                              resume=bool(resume)))
+                                              resume=bool(resume), data=job.get("data", "synthetic")))
         run(config, keep_process_group=True)
     dist.destroy_process_group()
 ''')
@@ -104,11 +104,19 @@ def _losses(out: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
+    from mosaic.trainer.data import write_token_file
+
     root = tmp_path_factory.mktemp("part2")
-    outs = {name: root / name for name in [*REFERENCES, *PARALLEL]}
-    _launch(root, "references", 1, [{"model": m, "layout": lay, "out": str(outs[n]), "steps": STEPS}
-                                     for n, (m, lay) in REFERENCES.items()])
+    outs = {name: root / name for name in [*REFERENCES, *PARALLEL, "packed_ref", "packed_pp2_tp2_sp"]}
+    # packed documents: attention masks and RoPE positions must reach every pipeline stage
+    rng = np.random.default_rng(0)
+    corpus = str(write_token_file(root / "corpus.bin", [rng.integers(0, 64, size=int(n)).tolist()
+                                                        for n in rng.integers(3, 40, size=200)]))
+    refs = [{"model": m, "layout": lay, "out": str(outs[n]), "steps": STEPS} for n, (m, lay) in REFERENCES.items()]
+    refs.append({**refs[0], "out": str(outs["packed_ref"]), "data": corpus})
+    _launch(root, "references", 1, refs)
     jobs = [{"model": m, "layout": lay, "out": str(outs[n]), "steps": STEPS} for n, (m, lay, _) in PARALLEL.items()]
+    jobs.append({**jobs[list(PARALLEL).index("pp2_tp2_sp")], "out": str(outs["packed_pp2_tp2_sp"]), "data": corpus})
     # bf16 autocast (cpu autocast, what cuda/npu runs use) through a pipeline with tensor parallel
     outs["pp2_tp2_sp_bf16"] = root / "pp2_tp2_sp_bf16"
     jobs.append({**jobs[list(PARALLEL).index("pp2_tp2_sp")], "out": str(outs["pp2_tp2_sp_bf16"]), "precision": "bf16"})
@@ -128,6 +136,11 @@ def test_four_rank_layouts_match_the_single_process_run(runs, name):
     assert len(parallel) == len(single) == STEPS
     assert single[-1] < single[0]  # it trains
     np.testing.assert_allclose(parallel, single, rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_packed_documents_match_through_pipeline_and_tensor_parallel(runs):
+    np.testing.assert_allclose(_losses(runs["packed_pp2_tp2_sp"]), _losses(runs["packed_ref"]), rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow
