@@ -4,6 +4,10 @@
 
 1. Calibrate this machine (`mosaic calibrate --quick`; or `--cluster FILE` to reuse a
    calibrated cluster).
+   On cpu the per-op host cost (`launch_latency_s`, an eager op with autograd) is measured
+   again before each trainer run and the median over the whole benchmark replaces the
+   calibrated figure (`--no-interleave` keeps it): other jobs on a shared machine change the
+   load within minutes, and both sides of the comparison must see the same machine.
 2. For each configuration (tiny MoE and dense models on 1, 2 and 4 ranks covering dp, ep,
    tp, pp, mbs and recompute) predict the step time with `perfmodel.evaluate` on the
    calibrated cluster, and run the bundled trainer (`mosaic train`, torchrun + gloo on cpu,
@@ -108,6 +112,36 @@ def train(name: str, model: str, layout: str, ranks: int, steps: int, device: st
     return time.perf_counter() - t0
 
 
+def eager_op_sample() -> float:
+    """Host seconds per eager op now (calibration.eager_ops, the figure `mosaic calibrate` measures on cpu)."""
+    import torch
+
+    from calibration.eager_ops import eager_op_seconds
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return eager_op_seconds(repeats=15, max_seconds=0.5)[0]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def interleaved_cluster(calibrated: Path, launch_latency_s: float, samples: int, folder: Path) -> Path:
+    """The calibrated cluster with launch_latency_s = the median per-op cost sampled between the runs."""
+    from perfmodel.clusters import resolve_cluster_path
+    from perfmodel.specs.strict import read_yaml, write_yaml_atomic
+
+    data = read_yaml(resolve_cluster_path(str(calibrated)))
+    acc = data["accelerator"]
+    acc["launch_latency_s"] = float(f"{launch_latency_s:.4g}")
+    acc.setdefault("sources", {})["launch_latency_s"] = (
+        f"median of {samples} measurements of calibration.eager_ops.eager_op_seconds taken before each trainer run "
+        f"of benchmarks/fidelity.py and after the last (the machine's load changes within minutes); base: {calibrated}")
+    out = folder / "calibrated_interleaved.yaml"
+    write_yaml_atomic(out, data)
+    return out
+
+
 def kendall(predicted: list[float], measured: list[float]) -> float:
     from scipy.stats import kendalltau
 
@@ -150,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="trainer steps per configuration (median after warm-up)")
     parser.add_argument("--configs", default="all", help="'all', 'smoke' (2 configurations) or comma-separated names")
     parser.add_argument("--cluster", default=None, help="use this (calibrated) cluster instead of calibrating")
+    parser.add_argument("--no-interleave", action="store_true",
+                        help="cpu: keep the calibrated per-op cost instead of re-measuring it between the runs")
     parser.add_argument("--reuse-runs", action="store_true", help="reuse run folders of an earlier invocation")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
@@ -191,13 +227,22 @@ def main(argv: list[str] | None = None) -> int:
         if stale.is_dir() and stale.name not in {c[0] for c in chosen}:
             shutil.rmtree(stale)
     wall: dict[str, float] = {}
+    op_samples: list[float] = []
+    interleave = args.device == "cpu" and not args.no_interleave
     for name, model, layout, ranks in chosen:
         if args.reuse_runs and (runs / name / "metrics.jsonl").is_file():
             continue
+        if interleave:
+            op_samples.append(eager_op_sample())
         wall[name] = train(name, model, f"{layout},precision=fp32" if args.device == "cpu" else layout, ranks,
                            args.steps, args.device, cluster_path, runs)
         print(f"trained {name:<20} ({ranks} rank{'s' if ranks > 1 else ''}) in {wall[name]:.1f} s", flush=True)
     load_after = os.getloadavg()
+    calibrated_launch_s = cluster.accelerator.launch_latency_s
+    if op_samples:  # the per-op host cost as it was while the runs ran (see module doc)
+        op_samples.append(eager_op_sample())
+        cluster_path = interleaved_cluster(cluster_path, float(np.median(op_samples)), len(op_samples), folder)
+        cluster = load_cluster(str(cluster_path))
 
     found = {r.name: r for r in discover_runs(runs)}
     order = [c for c in chosen if c[0] in found]
@@ -223,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device, "cluster": str(cluster_path), "steps": args.steps,
         "load_average_before": [round(x, 2) for x in load_before], "load_average_after": [round(x, 2) for x in load_after],
         "cpu_count": os.cpu_count(), "configs": rows,
+        "launch_latency_s": {"calibrated": calibrated_launch_s, "used": cluster.accelerator.launch_latency_s,
+                             "interleaved_samples": op_samples},
         "mape_before": mape_before, "max_abs_error_before": float(np.max(np.abs(errors))),
         "kendall_tau_before": kendall(list(predicted), list(measured)),
         "refit": {"fitted": summary["fitted"], "factors": summary["factors"], "fixed": summary["fixed"],

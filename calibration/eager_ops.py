@@ -35,6 +35,14 @@ EAGER_BLOCK_TOKENS = 64
 small enough that dispatch, not arithmetic, sets its time."""
 
 
+SAMPLE_SECONDS = 0.03
+"""One timed sample lasts about as long as a CPU trainer step (10-100 ms): on a shared machine
+a step is descheduled now and then, and a sample this long is too, in proportion; the median
+of sub-millisecond samples would see only the uncontended core (measured at load 7.5 on the
+2-core test machine: 5.4 us per op from 1 ms samples while the trainer's steps ran 2-2.5x
+slower than their op count at that figure)."""
+
+
 class OpCounter(TorchDispatchMode):
     """Counts aten ops reaching a kernel, under the current `label`."""
 
@@ -121,8 +129,8 @@ class _Block(torch.nn.Module):
 
 
 def eager_op_step(width: int = EAGER_BLOCK_WIDTH, tokens: int = EAGER_BLOCK_TOKENS) -> tuple[Any, int]:
-    """(step, ops): a callable running a 4-block eager stack forward + backward on cpu with
-    autograd, and the dispatch-mode op count of one call."""
+    """(sample, ops): a callable running a 4-block eager stack forward + backward on cpu with
+    autograd back to back for about SAMPLE_SECONDS, and the dispatch-mode op count of one call."""
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*[_Block(width) for _ in range(4)])
     x = torch.randn(tokens, width, requires_grad=True)
@@ -136,19 +144,28 @@ def eager_op_step(width: int = EAGER_BLOCK_WIDTH, tokens: int = EAGER_BLOCK_TOKE
     counter = OpCounter()
     with counter:
         step()
-    return step, sum(counter.counts.values())
+    ops = sum(counter.counts.values())
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    step()
+    reps = max(1, round(SAMPLE_SECONDS / max(time.perf_counter() - t0, 1e-6)))
+
+    def sample() -> None:
+        for _ in range(reps):
+            step()
+
+    return sample, reps * ops
 
 
-def eager_op_seconds(repeats: int = 30, max_seconds: float = 0.5) -> tuple[float, float, int]:
+def eager_op_seconds(repeats: int = 15, max_seconds: float = 0.6) -> tuple[float, float, int]:
     """(median seconds per op, IQR/median noise, ops per sample) of `eager_op_step`."""
     from calibration.stats import summarize
 
     step, ops = eager_op_step()
-    for _ in range(3):
-        step()
     samples: list[float] = []
     started = time.perf_counter()
-    while len(samples) < repeats or (time.perf_counter() - started < max_seconds and len(samples) < 10 * repeats):
+    while len(samples) < repeats or (time.perf_counter() - started < max_seconds and len(samples) < 4 * repeats):
         t0 = time.perf_counter()
         step()
         samples.append((time.perf_counter() - t0) / ops)

@@ -1,0 +1,66 @@
+"""benchmarks/fidelity.py end to end on a reduced set: 2 single-rank configurations, few steps.
+
+Checks that the pipeline runs (predict, train, compare, refit) and writes its JSON, PNG and
+last lines; the error figures themselves are the benchmark's business (docs/validation.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the fidelity benchmark trains with the bundled trainer (extra `train`)")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_reduced_fidelity_run_writes_json_png_and_last_lines(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--device", "cpu", "--configs", "smoke", "--steps", "4",
+         "--cluster", "cpu_local", "--out-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert re.fullmatch(r"MAPE before refit: \d+(\.\d+)?%", lines[-2]), lines[-2:]
+    assert re.fullmatch(r"MAPE after refit \(leave-one-out\): \d+(\.\d+)?%", lines[-1]), lines[-2:]
+
+    result = json.loads((tmp_path / "fidelity_cpu.json").read_text())
+    names = [row["name"] for row in result["configs"]]
+    assert names == ["moe_1r_mbs2", "dense_1r_mbs2"]
+    for row in result["configs"]:
+        assert row["measured_step_time_s"] > 0 and row["predicted_s"] > 0
+        assert row["error"] == pytest.approx(row["predicted_s"] / row["measured_step_time_s"] - 1.0)
+        assert row["steps_used"] >= 2
+        assert row["predicted_loo_s"] is not None and row["predicted_loo_s"] > 0
+    errors = [abs(row["error"]) for row in result["configs"]]
+    assert result["mape_before"] == pytest.approx(sum(errors) / len(errors))
+    assert result["max_abs_error_before"] == pytest.approx(max(errors))
+    assert -1.0 <= result["kendall_tau_before"] <= 1.0
+    # the printed figures are the JSON's
+    assert lines[-2] == f"MAPE before refit: {result['mape_before'] * 100:.1f}%"
+    assert lines[-1] == f"MAPE after refit (leave-one-out): {result['mape_after_loo'] * 100:.1f}%"
+    # the per-op cost was re-measured around the runs and used for the predictions
+    samples = result["launch_latency_s"]["interleaved_samples"]
+    assert len(samples) == 3 and all(s > 0 for s in samples)
+    assert result["launch_latency_s"]["used"] == pytest.approx(sorted(samples)[1], rel=1e-3)
+    assert len(result["load_average_before"]) == 3
+
+    png = tmp_path / "fidelity_cpu.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    refit = tmp_path / "fidelity_cpu" / "refit.yaml"
+    assert "from_runs" in refit.read_text()
+
+
+def test_unknown_configuration_is_refused_before_any_run(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--configs", "nope",
+                           "--cluster", "cpu_local", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "unknown nope" in done.stderr
+    assert not (tmp_path / "fidelity_cpu").exists()
