@@ -43,7 +43,7 @@ REFERENCES = {
 }
 PARALLEL = {
     # name: (model, layout, reference)   four ranks; ep carved out of tp*dp (parallel folding)
-    "tp2_dp2": (TINY, "tp=2,dp=2,mbs=2,gbs=8,dp_flavor=zero1", "ref"),
+    "tp2_dp2": (TINY, "tp=2,dp=2,mbs=2,gbs=8,dp_flavor=zero1,recompute=selective", "ref"),
     "tp2_ep2_sp": (TINY, "tp=2,dp=2,ep=2,mbs=2,gbs=8,sequence_parallel=true,dp_flavor=ddp", "ref"),
     "pp2_dp2": (TINY, "pp=2,dp=2,mbs=2,gbs=8,dp_flavor=ddp", "ref"),
     "pp2_ep2": (TINY, "pp=2,dp=2,ep=2,mbs=2,gbs=8,dp_flavor=fsdp", "ref"),
