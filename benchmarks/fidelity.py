@@ -61,13 +61,15 @@ CONFIGS: list[tuple[str, str, str, int]] = [
     ("moe_1r_selective", "moe", "mbs=2,gbs=4,recompute=selective", 1),
     ("dense_1r_mbs2", "dense", "mbs=2,gbs=4", 1),
     ("wide_moe_1r_mbs2", "wide_moe", "mbs=2,gbs=4", 1),
-    ("dense_2r_dp2", "dense", "dp=2,mbs=2,gbs=8", 2),
-    ("moe_2r_dp2_ep2", "moe", "dp=2,ep=2,mbs=2,gbs=8", 2),
+    ("dense_2r_dp2", "dense", "dp=2,mbs=2,gbs=8,dp_flavor=ddp", 2),
+    ("moe_2r_dp2_ep2", "moe", "dp=2,ep=2,mbs=2,gbs=8,dp_flavor=ddp", 2),
     ("moe_2r_tp2", "moe", "tp=2,mbs=2,gbs=4", 2),
     ("dense_2r_pp2", "dense", "pp=2,mbs=1,gbs=4", 2),
-    ("moe_4r_dp4_ep4", "moe", "dp=4,ep=4,mbs=1,gbs=8", 4),
-    ("dense_4r_dp2_tp2", "dense", "dp=2,tp=2,mbs=2,gbs=8", 4),
+    ("moe_4r_dp4_ep4", "moe", "dp=4,ep=4,mbs=1,gbs=8,dp_flavor=ddp", 4),
+    ("dense_4r_dp2_tp2", "dense", "dp=2,tp=2,mbs=2,gbs=8,dp_flavor=ddp", 4),
 ]
+"""Data parallel as DDP: the trainer's zero1/fsdp are FSDP2 (DTensor parameters, per-block
+all-gathers and reduce-scatters), not the Megatron distributed optimizer the model prices."""
 SMOKE = ["moe_1r_mbs2", "dense_1r_mbs2"]
 
 
