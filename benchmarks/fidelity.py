@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     png_path = args.out_dir / f"fidelity_{args.device}.png"
     write_text_atomic(json_path, json.dumps(result, indent=2) + "\n")
     scatter(png_path, rows, f"{args.device}: MAPE {mape_before:.1%} before refit, {loo_mape:.1%} after (LOO); "
-            f"load {load_before[0]:.1f}")
+            f"load {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores")
 
     print(f"\n{'configuration':<20} {'ranks':>5} {'measured ms':>12} {'predicted ms':>13} {'error':>8} {'LOO error':>10}")
     for r in rows:
