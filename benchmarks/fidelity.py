@@ -11,9 +11,11 @@
 2. For each configuration (tiny MoE and dense models on 1, 2 and 4 ranks covering dp, ep,
    tp, pp, mbs and recompute) predict the step time with `perfmodel.evaluate` on the
    calibrated cluster, and run the bundled trainer (`mosaic train`, torchrun + gloo on cpu,
-   one thread per rank) for `--steps` steps. The measured step time is the median after
-   warm-up, the same definition `mosaic calibrate --from-runs` uses
-   (`calibration.from_runs.load_run`).
+   one thread per rank) for `--steps` steps, split over `--rounds` rounds through all
+   configurations (each round a fresh `mosaic train`, its metrics appended to the first
+   round's metrics.jsonl). The measured step time is the median after warm-up, the same
+   definition `mosaic calibrate --from-runs` uses (`calibration.from_runs.load_run`; later
+   rounds' first steps stay in, a few of dozens, which the median absorbs).
 3. Report per-configuration error (predicted/measured - 1), MAPE, max |error| and Kendall
    tau of the ranking (scipy.stats.kendalltau).
 4. Refit the cluster from these runs (`mosaic calibrate --from-runs`) and report its
@@ -95,23 +97,36 @@ def calibrate(device: str, folder: Path) -> Path:
     return out
 
 
-def train(name: str, model: str, layout: str, ranks: int, steps: int, device: str, cluster: Path, runs: Path) -> float:
+def train(name: str, model: str, layout: str, ranks: int, steps: int, device: str, cluster: Path, runs: Path,
+          round_index: int = 0) -> float:
+    """One `mosaic train` run of `steps` steps; round 0 starts runs/NAME, later rounds append their
+    metrics (steps renumbered after the earlier rounds') to runs/NAME/metrics.jsonl."""
     import yaml
 
     from perfmodel.specs.strict import write_text_atomic
 
     folder = runs / name
-    if folder.exists():
-        shutil.rmtree(folder)
+    out = folder if round_index == 0 else runs / f"{name}.round{round_index}"
+    for stale in (out, *(() if round_index else runs.glob(f"{name}.round*"))):
+        if stale.exists():
+            shutil.rmtree(stale)
     model_file = runs / f"{name}.model.yaml"
     write_text_atomic(model_file, yaml.safe_dump({"version": 1, **MODELS[model]}, sort_keys=False))
     t0 = time.perf_counter()
     mosaic("train", "--model", str(model_file), "--layout", layout, "--nproc", str(ranks), "--steps", str(steps),
-           "--out", str(folder), "--device", device, "--cluster", str(cluster), "--no-progress",
+           "--out", str(out), "--device", device, "--cluster", str(cluster), "--no-progress",
            "--checkpoint-every", str(10 * steps))
-    shutil.rmtree(folder / "checkpoints", ignore_errors=True)
+    seconds = time.perf_counter() - t0
     model_file.unlink()
-    return time.perf_counter() - t0
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    if round_index:
+        pooled = folder / "metrics.jsonl"
+        done = len(pooled.read_text().splitlines())
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        text = "".join(json.dumps({**row, "step": done + i + 1, "round": round_index}) + "\n" for i, row in enumerate(rows))
+        write_text_atomic(pooled, pooled.read_text() + text)
+        shutil.rmtree(out)
+    return seconds
 
 
 def eager_op_sample() -> float:
@@ -184,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
     parser.add_argument("--steps", type=int, default=30, help="trainer steps per configuration (median after warm-up)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="split the steps over this many rounds through all configurations (a burst of load from "
+                             "other jobs then lands on several configurations a little, not on one entirely)")
     parser.add_argument("--configs", default="all", help="'all', 'smoke' (2 configurations) or comma-separated names")
     parser.add_argument("--cluster", default=None, help="use this (calibrated) cluster instead of calibrating")
     parser.add_argument("--no-interleave", action="store_true",
@@ -211,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [c for c in chosen if c[3] == 1]
     if args.steps < 3:
         parser.error("--steps: need at least 3 (the first is warm-up)")
+    if args.rounds < 1:
+        parser.error("--rounds: need at least 1")
 
     folder = args.out_dir / f"fidelity_{args.device}"
     runs = folder / "runs"
@@ -231,14 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     wall: dict[str, float] = {}
     op_samples: list[float] = []
     interleave = args.device == "cpu" and not args.no_interleave
-    for name, model, layout, ranks in chosen:
-        if args.reuse_runs and (runs / name / "metrics.jsonl").is_file():
-            continue
-        if interleave:
-            op_samples.append(eager_op_sample())
-        wall[name] = train(name, model, f"{layout},precision=fp32" if args.device == "cpu" else layout, ranks,
-                           args.steps, args.device, cluster_path, runs)
-        print(f"trained {name:<20} ({ranks} rank{'s' if ranks > 1 else ''}) in {wall[name]:.1f} s", flush=True)
+    per_round = max(3, args.steps // args.rounds)
+    for round_index in range(args.rounds):
+        for name, model, layout, ranks in chosen:
+            if args.reuse_runs and (runs / name / "metrics.jsonl").is_file():
+                continue
+            if interleave:
+                op_samples.append(eager_op_sample())
+            wall[name] = wall.get(name, 0.0) + train(
+                name, model, f"{layout},precision=fp32" if args.device == "cpu" else layout, ranks, per_round,
+                args.device, cluster_path, runs, round_index)
+            print(f"trained {name:<20} ({ranks} rank{'s' if ranks > 1 else ''}) round {round_index + 1}/{args.rounds} "
+                  f"in {wall[name]:.1f} s", flush=True)
     load_after = os.getloadavg()
     calibrated_launch_s = cluster.accelerator.launch_latency_s
     if op_samples:  # the per-op host cost as it was while the runs ran (see module doc)

@@ -1,4 +1,4 @@
-"""benchmarks/fidelity.py end to end on a reduced set: 2 single-rank configurations, few steps.
+"""benchmarks/fidelity.py end to end on a reduced set: 2 single-rank configurations, 2 rounds of 3 steps.
 
 Checks that the pipeline runs (predict, train, compare, refit) and writes its JSON, PNG and
 last lines; the error figures themselves are the benchmark's business (docs/validation.md).
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_reduced_fidelity_run_writes_json_png_and_last_lines(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--device", "cpu", "--configs", "smoke", "--steps", "4",
+        [sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--device", "cpu", "--configs", "smoke", "--steps", "6", "--rounds", "2",
          "--cluster", "cpu_local", "--out-dir", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -46,10 +46,14 @@ def test_reduced_fidelity_run_writes_json_png_and_last_lines(tmp_path: Path) -> 
     # the printed figures are the JSON's
     assert lines[-2] == f"MAPE before refit: {result['mape_before'] * 100:.1f}%"
     assert lines[-1] == f"MAPE after refit (leave-one-out): {result['mape_after_loo'] * 100:.1f}%"
-    # the per-op cost was re-measured around the runs and used for the predictions
+    # the per-op cost was re-measured before each of the 2 x 2 runs and after the last, and used
     samples = result["launch_latency_s"]["interleaved_samples"]
-    assert len(samples) == 3 and all(s > 0 for s in samples)
-    assert result["launch_latency_s"]["used"] == pytest.approx(sorted(samples)[1], rel=1e-3)
+    assert len(samples) == 5 and all(s > 0 for s in samples)
+    assert result["launch_latency_s"]["used"] == pytest.approx(sorted(samples)[2], rel=1e-3)
+    # two rounds of 3 steps pooled into one run folder, steps numbered on
+    metrics = (tmp_path / "fidelity_cpu" / "runs" / "moe_1r_mbs2" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4, 5, 6]
+    assert not list((tmp_path / "fidelity_cpu" / "runs").glob("*.round*"))
     assert len(result["load_average_before"]) == 3
 
     png = tmp_path / "fidelity_cpu.png"
