@@ -89,10 +89,16 @@ def mosaic(*args: str, capture: bool = False) -> str:
     return done.stdout if capture else ""
 
 
-def calibrate(device: str, folder: Path) -> Path:
+def calibrate(device: str, folder: Path, base: str | None) -> Path:
+    """`mosaic calibrate --quick` on top of `base` (cpu: cpu_local; cuda: the bundled cluster of the GPU's name)."""
     out = folder / "calibrated.yaml"
+    if base is None and device != "cpu":
+        from mosaic.cli.train import _default_cluster
+
+        base = _default_cluster(device)
     t0 = time.perf_counter()
-    mosaic("calibrate", "--device", device, "--quick", "--nproc", "2" if device == "cpu" else "1", "-o", str(out))
+    mosaic("calibrate", "--device", device, "--quick", "--nproc", "2" if device == "cpu" else "1", "-o", str(out),
+           *(("--cluster", base) if base else ()))
     print(f"calibrated {device} in {time.perf_counter() - t0:.0f} s -> {out}", flush=True)
     return out
 
@@ -204,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                              "other jobs then lands on several configurations a little, not on one entirely)")
     parser.add_argument("--configs", default="all", help="'all', 'smoke' (2 configurations) or comma-separated names")
     parser.add_argument("--cluster", default=None, help="use this (calibrated) cluster instead of calibrating")
+    parser.add_argument("--base", default=None, help="base cluster to calibrate (default: cpu_local on cpu, from the GPU "
+                                                     "name on cuda, ascend_910b on npu)")
     parser.add_argument("--no-interleave", action="store_true",
                         help="cpu: keep the calibrated per-op cost instead of re-measuring it between the runs")
     parser.add_argument("--reuse-runs", action="store_true", help="reuse run folders of an earlier invocation")
@@ -237,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     t_start = time.perf_counter()
-    cluster_path = Path(args.cluster) if args.cluster else calibrate(args.device, folder)
+    cluster_path = Path(args.cluster) if args.cluster else calibrate(args.device, folder, args.base)
     if args.cluster and not cluster_path.is_file():
         from perfmodel.clusters import resolve_cluster_path
 
