@@ -117,45 +117,40 @@ def pareto(table: PairTable) -> PairTable:
 # ---------------------------------------------------------------------------
 # Model builders (plain data in, ConcreteModel out).
 
-def build_cluster_model(constant: np.ndarray, coef: float, exponent: float, d_max: np.ndarray, memory: np.ndarray,
-                        hbm: float, values: dict[str, np.ndarray]) -> Any:
-    """Cluster-optimal MINLP over pairs p: constant[p] = K of p's geometry, d_max[p] tokens."""
+def _loss_model(name: str, constant: np.ndarray, coef: float, exponent: float, d_max: np.ndarray,
+                values: dict[str, np.ndarray]) -> Any:
+    """One-hot choice x over rows, continuous D <= d_max of the choice, loss = K_choice + coef * D^-exponent."""
     import pyomo.environ as pyo
 
     n = len(constant)
-    m = pyo.ConcreteModel(name="mosaic_cluster_optimal")
+    m = pyo.ConcreteModel(name=name)
     m.P = pyo.RangeSet(0, n - 1)
     m.x = pyo.Var(m.P, domain=pyo.Binary)
     hi = float(np.max(d_max)) / D_SCALE
     m.D = pyo.Var(bounds=(min(1e-9, hi), hi), initialize=hi)
     m.one = pyo.Constraint(expr=sum(m.x[p] for p in m.P) == 1)
     m.compute = pyo.Constraint(expr=m.D <= sum(float(d_max[p]) / D_SCALE * m.x[p] for p in m.P))
-    m.memory = pyo.Constraint(expr=sum(float(memory[p]) / hbm * m.x[p] for p in m.P) <= 1.0)
     _integer_links(m, values)
     scale = coef * D_SCALE ** (-exponent)
     m.loss = pyo.Objective(expr=sum(float(constant[p]) * m.x[p] for p in m.P) + scale * m.D ** (-exponent),
                            sense=pyo.minimize)
+    return m
+
+
+def build_cluster_model(constant: np.ndarray, coef: float, exponent: float, d_max: np.ndarray, memory: np.ndarray,
+                        hbm: float, values: dict[str, np.ndarray]) -> Any:
+    """Cluster-optimal MINLP over pairs p: constant[p] = K of p's geometry, d_max[p] tokens, memory row."""
+    import pyomo.environ as pyo
+
+    m = _loss_model("mosaic_cluster_optimal", constant, coef, exponent, d_max, values)
+    m.memory = pyo.Constraint(expr=sum(float(memory[p]) / hbm * m.x[p] for p in m.P) <= 1.0)
     return m
 
 
 def build_compute_model(constant: np.ndarray, coef: float, exponent: float, d_max: np.ndarray,
                         values: dict[str, np.ndarray]) -> Any:
     """Compute-optimal MINLP over geometries: D <= C_model / F_g, no memory row."""
-    import pyomo.environ as pyo
-
-    n = len(constant)
-    m = pyo.ConcreteModel(name="mosaic_compute_optimal")
-    m.P = pyo.RangeSet(0, n - 1)
-    m.x = pyo.Var(m.P, domain=pyo.Binary)
-    hi = float(np.max(d_max)) / D_SCALE
-    m.D = pyo.Var(bounds=(min(1e-9, hi), hi), initialize=hi)
-    m.one = pyo.Constraint(expr=sum(m.x[p] for p in m.P) == 1)
-    m.compute = pyo.Constraint(expr=m.D <= sum(float(d_max[p]) / D_SCALE * m.x[p] for p in m.P))
-    _integer_links(m, values)
-    scale = coef * D_SCALE ** (-exponent)
-    m.loss = pyo.Objective(expr=sum(float(constant[p]) * m.x[p] for p in m.P) + scale * m.D ** (-exponent),
-                           sense=pyo.minimize)
-    return m
+    return _loss_model("mosaic_compute_optimal", constant, coef, exponent, d_max, values)
 
 
 def _integer_links(m: Any, values: dict[str, np.ndarray]) -> None:
