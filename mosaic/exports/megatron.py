@@ -34,7 +34,7 @@ The model flags describe the bundled trainer's model: RMSNorm, RoPE (base
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from mosaic.exports.common import bash_array, header, node_shape
 from mosaic.exports.plan import ExportPlan
@@ -135,19 +135,23 @@ MEGATRON_FSDP = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "op
 """Megatron-FSDP v1 needs the distributed optimizer and the fsdp_dtensor checkpoint format (validate_args)."""
 
 
-def megatron_groups(plan: ExportPlan) -> list[ArgGroup]:
-    """The plan-derived argument groups (everything the plan decides)."""
-    groups = [
+def pretrain_gpt_groups(plan: ExportPlan, moe: list[str], fsdp: Any) -> list[ArgGroup]:
+    """The plan-derived groups of a Megatron `pretrain_gpt.py` (also MindSpeed-LLM's), given the MoE flags."""
+    return [
         ArgGroup("MODEL_ARGS", "model geometry (plan: model)", tuple(model_args(plan))),
-        ArgGroup("MOE_ARGS", "routed/shared experts (plan: model)", tuple(moe_args(plan))),
+        ArgGroup("MOE_ARGS", "routed/shared experts (plan: model)", tuple(moe)),
         ArgGroup("PARALLEL_ARGS", "parallel layout (plan: layout); dp = world / (tp*cp*pp) is derived",
-                 tuple(parallel_args(plan, MEGATRON_FSDP))),
+                 tuple(parallel_args(plan, fsdp))),
         ArgGroup("RECOMPUTE_ARGS", f"activation recompute: {plan.layout.recompute}", tuple(recompute_args(plan))),
         ArgGroup("PRECISION_ARGS", f"precision: {plan.layout.precision}", tuple(precision_args(plan))),
         ArgGroup("BATCH_ARGS", f"batch and length: train-iters = ceil(tokens / (gbs * seq_len)) = "
                  f"ceil({plan.tokens:.6g} / ({plan.layout.gbs} * {plan.model.seq_len}))", tuple(batch_args(plan))),
     ]
-    return [g for g in groups if g.args]
+
+
+def megatron_groups(plan: ExportPlan) -> list[ArgGroup]:
+    """The plan-derived argument groups (everything the plan decides)."""
+    return [g for g in pretrain_gpt_groups(plan, list(moe_args(plan)), MEGATRON_FSDP) if g.args]
 
 
 def megatron_argv(plan: ExportPlan) -> list[str]:

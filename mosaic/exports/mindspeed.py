@@ -38,15 +38,7 @@ from __future__ import annotations
 from typing import Optional
 
 from mosaic.exports.common import bash_array
-from mosaic.exports.megatron import (
-    ArgGroup,
-    batch_args,
-    launch_script,
-    model_args,
-    parallel_args,
-    precision_args,
-    recompute_args,
-)
+from mosaic.exports.megatron import ArgGroup, launch_script, pretrain_gpt_groups
 from mosaic.exports.plan import ExportPlan
 from perfmodel.errors import InputError
 
@@ -99,17 +91,8 @@ def mindspeed_fused_args(plan: ExportPlan) -> list[str]:
 def mindspeed_groups(plan: ExportPlan) -> list[ArgGroup]:
     """Plan-derived groups for MindSpeed-LLM's pretrain_gpt.py."""
     _check_supported(plan)
-    groups = [
-        ArgGroup("MODEL_ARGS", "model geometry (plan: model)", tuple(model_args(plan))),
-        ArgGroup("MOE_ARGS", "routed/shared experts (plan: model)", tuple(mindspeed_moe_args(plan))),
-        ArgGroup("PARALLEL_ARGS", "parallel layout (plan: layout); dp = world / (tp*cp*pp) is derived",
-                 tuple(parallel_args(plan, MINDSPEED_FSDP))),
-        ArgGroup("RECOMPUTE_ARGS", f"activation recompute: {plan.layout.recompute}", tuple(recompute_args(plan))),
-        ArgGroup("PRECISION_ARGS", f"precision: {plan.layout.precision}", tuple(precision_args(plan))),
-        ArgGroup("BATCH_ARGS", f"batch and length: train-iters = ceil(tokens / (gbs * seq_len)) = "
-                 f"ceil({plan.tokens:.6g} / ({plan.layout.gbs} * {plan.model.seq_len}))", tuple(batch_args(plan))),
-        ArgGroup("MINDSPEED_ARGS", "MindSpeed fused kernels and launch options", tuple(mindspeed_fused_args(plan))),
-    ]
+    groups = pretrain_gpt_groups(plan, list(mindspeed_moe_args(plan)), MINDSPEED_FSDP)
+    groups.append(ArgGroup("MINDSPEED_ARGS", "MindSpeed fused kernels and launch options", tuple(mindspeed_fused_args(plan))))
     return [g for g in groups if g.args]
 
 
