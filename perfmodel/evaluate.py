@@ -249,16 +249,37 @@ def evaluate(archs: Union[MoEArchitecture, ArchBatch], layouts: Union[ParallelLa
 # Hardware view of a chunk
 
 class _Curve:
-    """An `EfficiencyCurve` with its knots pre-logged: np.interp over log10(size), flat
-    beyond the ends (the same function as `EfficiencyCurve.__call__`, fewer passes)."""
+    """An `EfficiencyCurve` with its knots pre-logged: linear in log10(size) between the
+    knots, flat beyond the ends (the same function as `EfficiencyCurve.__call__`).
+
+    Evaluated without np.interp: its per-element binary search mispredicts on the
+    random sizes of a batch (~14 ns per element); counting the knots at or below
+    each size (one comparison pass per knot) and gathering that segment's slope
+    costs a third of it. The arithmetic is np.interp's, slope * (x - x_j) + y_j with
+    slope = (y_{j+1} - y_j) / (x_{j+1} - x_j), so the values are bit-identical."""
 
     def __init__(self, curve: Any) -> None:
         self.log_sizes = np.log10(np.asarray(curve.sizes, dtype=float))
         self.values = np.asarray(curve.values, dtype=float)
+        # slope of the segment that starts at each knot; 0 after the last (flat)
+        self.slopes = np.append(np.diff(self.values) / np.diff(self.log_sizes), 0.0)
+
+    def segment(self, log_size: Any) -> tuple[Any, Any]:
+        """(index j of the knot at or below each log size, 0 below the first; the log
+        size minus that knot's, after clipping to the knots' range)."""
+        j = np.zeros(np.shape(log_size), dtype=np.intp)
+        for knot in self.log_sizes[1:]:
+            j += log_size >= knot
+        offset = np.clip(log_size, self.log_sizes[0], self.log_sizes[-1])
+        offset -= self.log_sizes[j]
+        return j, offset
 
     def __call__(self, size: Any) -> Any:
         with np.errstate(divide="ignore"):
-            return np.interp(np.log10(size), self.log_sizes, self.values)
+            j, offset = self.segment(np.log10(size))
+        offset *= self.slopes[j]
+        offset += self.values[j]
+        return offset
 
 
 class _Hardware:
@@ -289,9 +310,8 @@ class _Hardware:
         self.gemm_present = np.flatnonzero(np.bincount(code, minlength=len(PRECISIONS)))
         self.attn_present = np.flatnonzero(np.bincount(attn_code, minlength=len(PRECISIONS)))
         # Mixed precisions. When the present curves share their knots (the bundled clusters
-        # do), one np.interp over the common knots gives each row its fractional knot index
-        # and a gather of its own curve's two neighbouring values finishes the linear
-        # interpolation (a binary search over few knots, well predicted). Otherwise every
+        # do), each row's segment on the common knots is found once and a gather of its own
+        # curve's slope and value there finishes the interpolation. Otherwise every
         # precision's curve is laid side by side on one axis (curve c shifted by 100 c
         # decades), each row clipped to its own curve's ends, so one np.interp prices all
         # rows exactly as their own curve would.
@@ -301,11 +321,10 @@ class _Hardware:
             knots = {tuple(self.curves[c].log_sizes) for c in present}
             if len(present) > 1 and len(knots) == 1 and len(self.curves[present[0]].log_sizes) > 1:
                 k = len(self.curves[present[0]].log_sizes)
-                values = np.zeros((len(PRECISIONS), k))
+                values, slopes = np.zeros((len(PRECISIONS), k)), np.zeros((len(PRECISIONS), k))
                 for c in present:
-                    values[c] = self.curves[c].values
-                self._shared[name] = (self.curves[present[0]].log_sizes, np.arange(k, dtype=float),
-                                      values.ravel(), codes * k, k)
+                    values[c], slopes[c] = self.curves[c].values, self.curves[c].slopes
+                self._shared[name] = (self.curves[present[0]], values.ravel(), slopes.ravel(), codes * k)
             elif len(present) > 1:
                 xs = np.concatenate([self.curves[c].log_sizes + 100.0 * c for c in present])
                 ys = np.concatenate([self.curves[c].values for c in present])
@@ -320,14 +339,13 @@ class _Hardware:
         if len(present) <= 1:
             return self.curves[present[0] if len(present) else BF16](size)
         if which in self._shared:
-            knots, positions, values, row_start, k = self._shared[which]
+            curve, values, slopes, row_start = self._shared[which]
             with np.errstate(divide="ignore"):
-                t = np.interp(np.log10(size), knots, positions)
-            left = np.minimum(t.astype(np.intp), k - 2)
-            frac = t - left
-            left += row_start
-            lo = values[left]
-            return lo + frac * (values[left + 1] - lo)
+                j, offset = curve.segment(np.log10(size))
+            j += row_start
+            offset *= slopes[j]
+            offset += values[j]
+            return offset
         xs, ys, lo, hi, shift = self._stacked[which]
         with np.errstate(divide="ignore"):
             return np.interp(np.clip(np.log10(size), lo, hi) + shift, xs, ys)
