@@ -39,7 +39,7 @@ from perfmodel.errors import InputError
 from perfmodel.specs.architecture import ArchBatch, MoEArchitecture
 from perfmodel.specs.cluster import ClusterSpec, EfficiencyCurve
 from perfmodel.specs.layout import LayoutBatch, ParallelLayout
-from perfmodel.specs.strict import from_mapping, read_yaml, spec_from_dict, write_text_atomic
+from perfmodel.specs.strict import read_yaml, section_from_mapping, spec_from_dict, write_text_atomic
 
 FACTORS = ("efficiency_scale", "launch_latency_s", "overlap", "straggler_cv")
 BOUNDS = {"efficiency_scale": (1e-3, 5.0), "launch_latency_s": (0.0, 2e-3), "overlap": (0.0, 1.0),
@@ -89,14 +89,11 @@ def load_run(folder: Path) -> Run:
     """One trainer run folder: run.yaml + metrics.jsonl -> Run (median post-warm-up step time)."""
     config = folder / "run.yaml"
     data = read_yaml(config)
-    for key in ("model", "layout", "world_size"):
-        if key not in data:
-            raise InputError(f"{config}: missing key '{key}'; is this a run.yaml written by `mosaic train`?")
-    try:
-        arch = from_mapping(MoEArchitecture, data["model"])
-        layout = from_mapping(ParallelLayout, data["layout"])
-    except InputError as exc:
-        raise InputError(f"{config}: {exc}") from None
+    fix = "is this a run.yaml written by `mosaic train`?"
+    arch = section_from_mapping(MoEArchitecture, data, "model", str(config), fix)
+    layout = section_from_mapping(ParallelLayout, data, "layout", str(config), fix)
+    if "world_size" not in data:
+        raise InputError(f"{config}: missing key 'world_size'; {fix}")
     world = int(data["world_size"])
     precision = str(data.get("precision", layout.precision))
     layout = dataclasses.replace(layout, precision=precision).resolve(world)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import MoEArchitecture
 from perfmodel.specs.layout import ParallelLayout
-from perfmodel.specs.strict import from_mapping, read_yaml
+from perfmodel.specs.strict import read_yaml, section_from_mapping
 from perfmodel.validity import violations
 
 PLAN_VERSION = 1
@@ -65,16 +65,6 @@ def _section(data: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any
     return value
 
 
-def _strict(cls: type, data: Mapping[str, Any], key: str, source: str) -> Any:
-    try:
-        return from_mapping(cls, data, path=key)
-    except InputError as exc:
-        message = str(exc)
-        if f"'{key}." not in message and f"'{key}'" not in message:
-            message = f"{key}: {message}"
-        raise InputError(f"{source}: {message}") from None
-
-
 def plan_from_dict(data: Mapping[str, Any], source: str = "plan") -> ExportPlan:
     """Check and convert a parsed plan; every error is one line naming `source` and the key."""
     if "version" not in data:
@@ -82,8 +72,9 @@ def plan_from_dict(data: Mapping[str, Any], source: str = "plan") -> ExportPlan:
     if data["version"] != PLAN_VERSION:
         raise InputError(f"{source}: key 'version': {data['version']!r} is not supported; "
                          f"this MOSAIC reads version {PLAN_VERSION}")
-    model = _strict(MoEArchitecture, _section(data, "model", source), "model", source)
-    layout = _strict(ParallelLayout, _section(data, "layout", source), "layout", source)
+    fix = "a plan needs model, layout, budget and tokens"
+    model = section_from_mapping(MoEArchitecture, data, "model", source, fix)
+    layout = section_from_mapping(ParallelLayout, data, "layout", source, fix)
     for key in ("dp", "gbs"):
         if getattr(layout, key) is None:
             raise InputError(f"{source}: missing key 'layout.{key}'; an exported plan needs a resolved layout "

@@ -320,18 +320,13 @@ __all__ = ["PLAN_VERSION", "SOLVERS", "Choice", "PlanResult", "layout_dict", "mo
 
 def load_plan(path: str) -> tuple[MoEArchitecture, ParallelLayout, dict[str, Any]]:
     """Read a plan file: (model, layout, the whole mapping). Strict on `model` and `layout`."""
-    from perfmodel.specs.strict import from_mapping, read_yaml
+    from perfmodel.specs.strict import read_yaml, section_from_mapping
 
     data = read_yaml(path)
     if data.get("version") != PLAN_VERSION:
         raise InputError(f"{path}: key 'version': {data.get('version')!r} is not supported; this MOSAIC reads "
                          f"plan version {PLAN_VERSION}")
-    for key in ("model", "layout"):
-        if not isinstance(data.get(key), dict):
-            raise InputError(f"{path}: missing key '{key}'; write the plan with `mosaic plan -o`")
-    try:
-        arch = from_mapping(MoEArchitecture, data["model"], path="model")
-        layout = from_mapping(ParallelLayout, data["layout"], path="layout")
-    except InputError as exc:
-        raise InputError(f"{path}: {exc}") from None
+    fix = "write the plan with `mosaic plan -o`"
+    arch = section_from_mapping(MoEArchitecture, data, "model", str(path), fix)
+    layout = section_from_mapping(ParallelLayout, data, "layout", str(path), fix)
     return arch, layout, data

@@ -113,6 +113,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 
 def from_mapping(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     """Build dataclass `cls` from `data`, rejecting unknown and missing keys."""
+    if not isinstance(data, Mapping):
+        where = f"key '{path}'" if path else "top level"
+        raise InputError(f"{where}: expected {_type_name(cls)}, got {data!r}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     prefix = f"{path}." if path else ""
@@ -137,6 +140,20 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
         if path and not message.startswith(f"key '{path}"):
             message = message.replace("key '", f"key '{prefix}", 1) if message.startswith("key '") else f"{path}: {message}"
         raise InputError(message) from None
+
+
+def section_from_mapping(cls: type[T], data: Mapping[str, Any], key: str, source: str, fix: str) -> T:
+    """The `key` section of a file's mapping as `cls`; errors name `source` and the key path.
+
+    Plans, run files and exports all hold `model:` and `layout:` sections read this way;
+    `fix` says what to do when the section is missing.
+    """
+    if key not in data:
+        raise InputError(f"{source}: missing key '{key}'; {fix}")
+    try:
+        return from_mapping(cls, data[key], path=key)
+    except InputError as exc:
+        raise InputError(f"{source}: {exc}") from None
 
 
 def to_mapping(obj: Any) -> Any:
@@ -251,6 +268,7 @@ __all__ = [
     "load_spec",
     "read_yaml",
     "save_figure_atomic",
+    "section_from_mapping",
     "spec_from_dict",
     "spec_to_dict",
     "to_mapping",

@@ -217,3 +217,22 @@ def test_spec_error_names_nested_key(tmp_path):
     path.write_text(text)
     with pytest.raises(InputError, match="key 'dp_flavor'"):
         load_spec(ParallelLayout, path)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({}, "plan.yaml: missing key 'model'; write the plan"),
+        ({"model": [1, 2]}, "plan.yaml: key 'model': expected a mapping (MoEArchitecture)"),
+        ({"model": {**yaml.safe_load(MODEL_YAML), "n_layer": 2}}, "plan.yaml: unknown key 'model.n_layer'"),
+        ({"model": {**yaml.safe_load(MODEL_YAML), "top_k": 9}}, "plan.yaml: key 'model.top_k': 9 must be in"),
+    ],
+    ids=["missing", "not_a_mapping", "unknown_key", "impossible"],
+)
+def test_section_errors_name_the_file_and_the_key_path(data, message):
+    from perfmodel.specs.strict import section_from_mapping
+
+    data = {k: ({kk: vv for kk, vv in v.items() if kk != "version"} if isinstance(v, dict) else v) for k, v in data.items()}
+    with pytest.raises(InputError) as info:
+        section_from_mapping(MoEArchitecture, data, "model", "plan.yaml", "write the plan with `mosaic plan -o`")
+    assert message in str(info.value)
