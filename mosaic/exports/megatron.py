@@ -74,14 +74,21 @@ def model_args(plan: ExportPlan) -> list[str]:
     return args
 
 
-def moe_args(plan: ExportPlan, dispatcher: str = "alltoall") -> list[str]:
+def expert_args(plan: ExportPlan) -> list[str]:
+    """Expert count, top-k and widths: the MoE flags Megatron and MindSpeed-LLM share."""
     m = plan.model
-    if m.n_experts == 0:
-        return []
     args = ["--num-experts", str(m.n_experts), "--moe-router-topk", str(m.top_k),
             "--moe-ffn-hidden-size", str(m.d_expert)]
     if m.n_shared_experts > 0:
         args += ["--moe-shared-expert-intermediate-size", str(m.n_shared_experts * m.d_expert)]
+    return args
+
+
+def moe_args(plan: ExportPlan, dispatcher: str = "alltoall") -> list[str]:
+    m = plan.model
+    if m.n_experts == 0:
+        return []
+    args = expert_args(plan)
     if m.n_dense_layers > 0:
         args += ["--moe-layer-freq", moe_layer_pattern(m.n_layers, m.n_dense_layers)]
     args += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", dispatcher]

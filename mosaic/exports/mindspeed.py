@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Optional
 
 from mosaic.exports.common import bash_array
-from mosaic.exports.megatron import ArgGroup, launch_script, pretrain_gpt_groups
+from mosaic.exports.megatron import ArgGroup, expert_args, launch_script, pretrain_gpt_groups
 from mosaic.exports.plan import ExportPlan
 from perfmodel.errors import InputError
 
@@ -67,10 +67,7 @@ def mindspeed_moe_args(plan: ExportPlan) -> list[str]:
     m = plan.model
     if m.n_experts == 0:
         return []
-    args = ["--num-experts", str(m.n_experts), "--moe-router-topk", str(m.top_k),
-            "--moe-ffn-hidden-size", str(m.d_expert)]
-    if m.n_shared_experts > 0:
-        args += ["--moe-shared-expert-intermediate-size", str(m.n_shared_experts * m.d_expert)]
+    args = expert_args(plan)
     if m.n_dense_layers > 0:
         args += ["--first-k-dense-replace", str(m.n_dense_layers), "--moe-layer-freq", "1"]
     args += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"]
