@@ -6,7 +6,10 @@ all_gather_single / reduce_scatter_single from torch 2.13),
 all_to_all_single and send/recv (each rank sends to the next and receives from
 the previous, as nccl-tests' sendrecv) over message sizes, for a group inside a
 node and, when the job spans nodes, a group with one rank per node. A repeat's
-time is the slowest rank's (max over the group), device-timed on cuda/npu.
+time is the slowest rank's (max over the group), device-timed on cuda/npu. On cpu a
+repeat is a batch of back-to-back operations lasting about one trainer step
+(`CPU_REPEAT_SECONDS`), so the figure is the mean cost per operation that a
+synchronous gloo trainer pays, scheduler stalls included.
 Rank 0 appends each point to the CSV as soon as it is measured, so a run that
 dies or hangs keeps what it measured.
 
@@ -59,16 +62,31 @@ def message_sizes(device_type: str, quick: bool) -> list[int]:
     return sizes
 
 
-def repeats_for(quick: bool) -> tuple[int, int]:
-    """(warm-up calls, timed repeats) per message size; fixed so every rank agrees."""
+def repeats_for(quick: bool, device_type: str = "cuda") -> tuple[int, int]:
+    """(warm-up calls, timed repeats) per message size; fixed so every rank agrees. On cpu a
+    repeat is a batch of ~CPU_REPEAT_SECONDS (see `ops_per_repeat`), so fewer are needed."""
+    if device_type == "cpu":
+        return (2, 9) if quick else (3, 15)
     return (2, 41) if quick else (5, 51)
 
 
-def ops_per_repeat(nbytes: int) -> int:
-    """Operations in one timed repeat: one. (Batching small messages, as nccl-tests' iters do,
-    made every batch catch the multi-ms scheduler stalls of a busy 2-core host, while single
-    operations let the median step over them; a repeat costs a barrier either way.)"""
-    return 1
+CPU_REPEAT_SECONDS = 0.03
+"""On cpu one timed repeat lasts about one CPU trainer step (10-100 ms; the same length as
+`calibration.eager_ops.SAMPLE_SECONDS`). gloo on a host whose cores also compute pays
+scheduler wake-ups and stalls on some operations; a trainer step issues its collectives back to
+back with its compute and pays their mean, not the median of isolated calls (measured on the
+2-core test machine, 2 ranks, 256 B - 256 KiB all-reduce: 0.37 ms median of single calls after
+a barrier, 0.9-2.3 ms mean back to back, 1.2-1.4 ms each when interleaved with ~2 ms of eager
+compute, 2026-12-01)."""
+
+
+def ops_per_repeat(seconds_per_op: float, device_type: str) -> int:
+    """Operations in one timed repeat: one on accelerators (device events time it); on cpu as
+    many as last about CPU_REPEAT_SECONDS at `seconds_per_op` (the slowest rank's warm-up figure,
+    so every rank of the group runs the same count)."""
+    if device_type != "cpu":
+        return 1
+    return int(min(256, max(1, round(CPU_REPEAT_SECONDS / max(seconds_per_op, 1e-7)))))
 
 
 def _time_repeat(op: Callable[[], object], inner: int, group: object, device: object) -> float:
@@ -181,12 +199,17 @@ def worker(out: Path, device_kind: str, quick: bool, level_names: list[str], lev
                 time.sleep(3600)
             sizes = [max(n, (nbytes // elem) // n * n) * elem for nbytes in message_sizes(device_kind, quick)]
             ops = [_make_op(collective, size // elem, my_members, rank, mine, device, dtype) for size in sizes]
-            warmup, repeats = repeats_for(quick)
-            inners = [ops_per_repeat(size) for size in sizes]
-            for op in ops:
+            warmup, repeats = repeats_for(quick, device.type)
+            per_op = torch.zeros(len(sizes), dtype=torch.float64)
+            for j, op in enumerate(ops):
                 for _ in range(warmup):
                     op()
+                if device.type == "cpu":
+                    per_op[j] = _time_repeat(op, warmup, mine, device)
             synchronize(device)
+            if device.type == "cpu":  # every rank of the group must run the same batch sizes
+                dist.all_reduce(per_op, op=dist.ReduceOp.MAX, group=mine)
+            inners = [ops_per_repeat(float(t), device.type) for t in per_op]
             times = torch.zeros(len(sizes), repeats, dtype=torch.float64)
             # Rounds interleave the sizes, so a burst of foreign load slows every size a
             # little instead of one size a lot (the alpha-beta line stays consistent).

@@ -11,6 +11,15 @@ and the backward's ops are counted as the autograd engine runs them).
   hooks on each block's output), and the optimizer's. The source of `perfmodel.eager`'s
   constants: `python -m calibration.eager_ops` prints them for examples/tiny_moe.yaml and
   its variants.
+- `count_trainer_ops(arch, tp=2)`: the same under tensor parallel on a fake 2-rank world
+  (`fake_world`: torch's in-process fake process group; collectives are no-ops, so only the
+  host-side work is seen): ops on DTensors are counted apart (`dtensor_fwd_attention`, ...,
+  `dtensor_opt`), each once, at the DTensor level (its local ops run inside it).
+- `dtensor_op_seconds()`: host time one DTensor op adds beyond the single-device ops it
+  replaces (sharding propagation, wrapping, redistribution bookkeeping): the eager block
+  stack below run with column-/row-wise tensor-parallel linears on a fake 2-rank mesh,
+  minus the same stack on one device, divided by its DTensor op count. `mosaic calibrate`
+  on cpu stores it as `dtensor_op_latency_s`.
 - `eager_op_seconds()`: host time per op of an eager transformer-style block (RMSNorm, SwiGLU
   MLP, residual; nn.Modules with autograd) run forward + backward, divided by its
   dispatch-mode op count: what one counted op costs in the trainer (Python module call,
@@ -22,8 +31,10 @@ and the backward's ops are counted as the autograd engine runs them).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -58,21 +69,65 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_trainer_ops(arch: Any, recompute: str = "none", mbs: int = 2) -> dict[str, int]:
+class DTensorOpCounter(OpCounter):
+    """OpCounter that files ops on DTensors under `dtensor_<label>`."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            self.counts[f"dtensor_{self.label}"] += 1
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def fake_world(ranks: int) -> Iterator[Any]:
+    """A 1-D device mesh of `ranks` on torch's in-process fake process group (collectives do
+    nothing): the host-side work of a tensor-parallel rank, in one process. Refused (InputError)
+    where a process group already exists."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from perfmodel.errors import InputError
+
+    if dist.is_initialized():
+        raise InputError("DTensor op counts and costs need a process of their own (a process group is already "
+                         "initialised); run them outside torchrun")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    try:
+        yield init_device_mesh("cpu", (ranks,))
+    finally:
+        dist.destroy_process_group()
+
+
+def count_trainer_ops(arch: Any, recompute: str = "none", mbs: int = 2, tp: int = 1) -> dict[str, int]:
     """Ops of one training step of the bundled model on one device, keyed phase_block
     (fwd_attention, bwd_moe, ... per micro-batch, summed over layers) and `opt` (AdamW
     foreach=False as the trainer builds it). The second of two steps is counted (the first
-    creates optimizer state)."""
+    creates optimizer state). With tp > 1 the model is tensor-parallel on a fake world
+    (`fake_world`) and ops on DTensors are counted apart under dtensor_<key>."""
+    if tp > 1:
+        with fake_world(tp) as mesh:
+            return _count_trainer_ops(arch, recompute, mbs, mesh)
+    return _count_trainer_ops(arch, recompute, mbs, None)
+
+
+def _count_trainer_ops(arch: Any, recompute: str, mbs: int, tp_mesh: Any) -> dict[str, int]:
     import torch.nn.functional as F
 
     from mosaic.trainer.model import Transformer
     from mosaic.trainer.parallelize import apply_ac
+    from mosaic.trainer.tensor_parallel import apply_tp
 
     torch.manual_seed(0)
     model = Transformer(arch)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh, sequence_parallel=False)
     apply_ac(model, recompute)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    counter = OpCounter()
+    counter = OpCounter() if tp_mesh is None else DTensorOpCounter()
 
     def start(label: str) -> Any:
         def hook(*_: Any) -> None:
@@ -158,6 +213,63 @@ def eager_op_step(width: int = EAGER_BLOCK_WIDTH, tokens: int = EAGER_BLOCK_TOKE
     return sample, reps * ops
 
 
+def _stack_step(blocks: torch.nn.Module, x: torch.Tensor) -> Any:
+    def step() -> None:
+        blocks(x).sum().backward()
+        for p in blocks.parameters():
+            p.grad = None
+        x.grad = None
+    return step
+
+
+def dtensor_op_samples(samples: int = 15, width: int = EAGER_BLOCK_WIDTH,
+                       tokens: int = EAGER_BLOCK_TOKENS) -> tuple[list[float], int]:
+    """(seconds each DTensor op adds, one figure per paired sample; DTensor ops per call): the
+    eager block stack with w1/w3 column-wise and w2 row-wise (torch's ColwiseParallel /
+    RowwiseParallel, as the trainer's FFNs) on a fake 2-rank mesh, timed against the same stack
+    on one device in alternating samples of about SAMPLE_SECONDS each."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    with fake_world(2) as mesh:
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(*[_Block(width) for _ in range(4)])
+        sharded = torch.nn.Sequential(*[_Block(width) for _ in range(4)])
+        for block in sharded:
+            parallelize_module(block, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
+        x = torch.randn(tokens, width, requires_grad=True)
+        plain_step, sharded_step = _stack_step(plain, x), _stack_step(sharded, x)
+        counter = DTensorOpCounter()
+        with counter:
+            sharded_step()
+        ops = sum(v for k, v in counter.counts.items() if k.startswith("dtensor_"))
+        for _ in range(3):
+            plain_step()
+            sharded_step()
+        t0 = time.perf_counter()
+        sharded_step()
+        reps = max(1, round(SAMPLE_SECONDS / max(time.perf_counter() - t0, 1e-6)))
+
+        def timed(step: Any) -> float:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                step()
+            return (time.perf_counter() - t0) / reps
+
+        out = []
+        for _ in range(samples):
+            out.append((timed(sharded_step) - timed(plain_step)) / ops)
+        return out, ops
+
+
+def dtensor_op_seconds(samples: int = 15) -> tuple[float, float, int]:
+    """(median seconds a DTensor op adds, IQR/median noise, DTensor ops per call) of `dtensor_op_samples`."""
+    from calibration.stats import summarize
+
+    values, ops = dtensor_op_samples(samples)
+    stats = summarize([max(v, 1e-9) for v in values])
+    return float(stats.median_s), float(stats.iqr_s / stats.median_s), ops
+
+
 def eager_op_seconds(repeats: int = 15, max_seconds: float = 0.6) -> tuple[float, float, int]:
     """(median seconds per op, IQR/median noise, ops per sample) of `eager_op_step`."""
     from calibration.stats import summarize
@@ -187,8 +299,15 @@ def _main() -> None:
     for name, (a, ac) in variants.items():
         counts = count_trainer_ops(a, ac)
         print(f"{name}: total {sum(counts.values())}  {counts}")
+    for name, a in (("tiny_moe tp=2", arch), ("dense tp=2", dataclasses.replace(
+            arch, n_experts=0, top_k=0, n_shared_experts=0, d_expert=0, n_dense_layers=arch.n_layers))):
+        counts = count_trainer_ops(a, tp=2)
+        print(f"{name}: {counts}")
     per_op, noise, ops = eager_op_seconds()
     print(f"eager op with autograd (fwd + bwd, {ops} ops per sample): {per_op * 1e6:.2f} us per op (noise {noise:.2f})")
+    dt_op, dt_noise, dt_ops = dtensor_op_seconds()
+    print(f"DTensor op beyond the single-device ops ({dt_ops} DTensor ops per call): {dt_op * 1e6:.2f} us per op "
+          f"(noise {dt_noise:.2f})")
 
 
 if __name__ == "__main__":

@@ -129,6 +129,8 @@ def kernel_plan(device: torch.device, quick: bool, precisions: list[str]) -> lis
         for nbytes in buffers:
             points.append(KernelPoint(kind, "fp32", {"bytes": nbytes}))
     points.append(KernelPoint("launch", "fp32", {"batch": LAUNCH_BATCH}))
+    if cpu and not torch.distributed.is_initialized():  # needs a fake process group of its own
+        points.append(KernelPoint("dtensor_op", "fp32", {"ranks": 2}))
     return points
 
 
@@ -284,10 +286,23 @@ def _launch_point(point: KernelPoint, device: torch.device, budget: Budget) -> M
     return Measurement.from_stats(point.kind, device.type, point.precision, dict(point.shape), 0.0, 0.0, stats)
 
 
+def _dtensor_point(point: KernelPoint, budget: Budget) -> Measurement:
+    """Host time a DTensor op adds on cpu (calibration.eager_ops.dtensor_op_samples): the CPU
+    model prices the bundled trainer's tensor-parallel DTensor ops with it (perfmodel.eager)."""
+    from calibration.eager_ops import dtensor_op_samples
+
+    samples, ops = dtensor_op_samples(max(budget.min_repeats, 9))
+    stats = summarize([max(s, 1e-9) for s in samples])
+    return Measurement.from_stats(point.kind, "cpu", point.precision, {"ranks": int(point.shape["ranks"]), "ops": ops},
+                                  0.0, 0.0, stats)
+
+
 def run_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
     """Time one kernel point on `device` and return its measurement."""
     if point.kind == "launch":
         return _launch_point(point, device, budget)
+    if point.kind == "dtensor_op":
+        return _dtensor_point(point, budget)
     prepared = prepare_point(point, device)
     return _measurement(prepared, device, time_call(prepared.fn, device, budget))
 
@@ -307,9 +322,9 @@ def run_points(points: list[KernelPoint], device: torch.device, budget: Budget,
     results: dict[int, Measurement] = {}
     index = {id(p): i for i, p in enumerate(points)}
     for (kind, _), group in groups.items():
-        if kind == "launch":
+        if kind in ("launch", "dtensor_op"):
             for point in group:
-                results[index[id(point)]] = _launch_point(point, device, budget)
+                results[index[id(point)]] = run_point(point, device, budget)
                 if progress:
                     progress(1)
             continue

@@ -19,7 +19,7 @@ from calibration.stats import TimingStats
 from perfmodel.errors import InputError
 from perfmodel.specs.strict import write_text_atomic
 
-KERNEL_KINDS = ("gemm", "grouped_gemm", "sdpa", "mem_copy", "mem_add", "launch")
+KERNEL_KINDS = ("gemm", "grouped_gemm", "sdpa", "mem_copy", "mem_add", "launch", "dtensor_op")
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 

@@ -88,6 +88,7 @@ class Calibration:
     memory: Optional[CurveFit]
     launch_latency_s: Optional[float]
     launch_noise: Optional[float]
+    dtensor_op_latency_s: Optional[float]
     collectives: list[AlphaBetaFit]
     grouped_gemm: Optional[dict[str, Any]]
     attention: Optional[dict[str, Any]]
@@ -113,6 +114,7 @@ def fit_all(rows: Sequence[Measurement], peaks: Optional[dict[str, float]] = Non
         peak = None if hbm_bytes_per_s is None or best > hbm_bytes_per_s else hbm_bytes_per_s
         memory = fit_efficiency_curve([r.bytes for r in memory_rows], [r.median_s for r in memory_rows], peak, source="")
     launch = [r for r in rows if r.kind == "launch"]
+    dtensor = [r for r in rows if r.kind == "dtensor_op"]
     grouped = [r for r in rows if r.kind == "grouped_gemm"]
     attention = [r for r in rows if r.kind == "sdpa"]
 
@@ -132,6 +134,7 @@ def fit_all(rows: Sequence[Measurement], peaks: Optional[dict[str, float]] = Non
         compute=compute, memory=memory,
         launch_latency_s=float(np.median([r.median_s for r in launch])) if launch else None,
         launch_noise=float(np.median([r.noise for r in launch])) if launch else None,
+        dtensor_op_latency_s=float(np.median([r.median_s for r in dtensor])) if dtensor else None,
         collectives=fit_collectives([r for r in rows if r.kind in COLLECTIVE_KINDS]),
         grouped_gemm=versus_dense(grouped), attention=versus_dense(attention),
         noise_median=float(np.median(noises)), noise_p90=float(np.percentile(noises, 90)),
@@ -227,6 +230,12 @@ def calibrated_mapping(base: str, rows: Sequence[Measurement], provenance: Prove
                 "calibration.eager_ops" if cpu else "host dispatch of a 1-element add")
         sources["launch_latency_s"] = f"measured (median {what}, {provenance.device}): {stamp}"
         section["launch"] = {"latency_s": float(f"{cal.launch_latency_s:.4g}"), "noise": round(cal.launch_noise or 0.0, 4)}
+    if cal.dtensor_op_latency_s is not None:
+        acc["dtensor_op_latency_s"] = float(f"{cal.dtensor_op_latency_s:.4g}")
+        sources["dtensor_op_latency_s"] = ("measured (median host time a DTensor op adds: RMSNorm + SwiGLU blocks with "
+                                           "column-/row-wise tensor-parallel linears on a fake 2-rank mesh against the "
+                                           f"same blocks on one device, calibration.eager_ops, {provenance.device}): {stamp}")
+        section["dtensor_op"] = {"latency_s": float(f"{cal.dtensor_op_latency_s:.4g}")}
     if cal.grouped_gemm is not None:
         section["grouped_gemm"] = cal.grouped_gemm
     if cal.attention is not None:

@@ -43,7 +43,8 @@ def group_geometry(lay: Any, group: str) -> tuple[Any, Any]:
 
     tp: (tp, 1); cp: (cp, tp); dp (dense gradients, synchronised over dp*cp): (dp*cp, tp);
     etp: (etp, 1); ep: (ep, etp); edp (expert gradients): (edp, etp*ep);
-    pp (two neighbouring stages): (2, tp*cp*dp) when pp > 1, else a group of one.
+    pp (two neighbouring stages): (2, tp*cp*dp) when pp > 1, else a group of one;
+    pp_all (all stages of a replica): (pp, tp*cp*dp); world: (tp*cp*dp*pp, 1).
     """
     f = np.asarray
     tp, cp, dp, pp = (f(getattr(lay, n), dtype=float) for n in ("tp", "cp", "dp", "pp"))
@@ -62,6 +63,10 @@ def group_geometry(lay: Any, group: str) -> tuple[Any, Any]:
         return np.maximum(tp * cp * dp / (etp * ep), 1.0), etp * ep
     if group == "pp":
         return np.where(pp > 1, 2.0, 1.0), tp * cp * dp
+    if group == "pp_all":
+        return pp, tp * cp * dp
+    if group == "world":
+        return tp * cp * dp * pp, np.ones_like(tp)
     raise AssertionError(f"unknown group {group}")
 
 

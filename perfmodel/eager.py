@@ -22,6 +22,10 @@ an eager block forward + backward with autograd, divided by its dispatch-mode op
 
 Not counted (their ops are priced elsewhere or not modelled): collectives (one launch each,
 `perfmodel.evaluate`), DTensor (tensor parallel) and expert-parallel bookkeeping ops.
+
+The trainer's own per-step collectives (`eager_step_collectives`: token count, statistics,
+gradient-norm reductions) are small all-reduces that cost their latency; `perfmodel.evaluate`
+prices them on the cluster's fabric with the step's optimizer time.
 """
 
 from __future__ import annotations
@@ -107,3 +111,76 @@ def eager_step_ops(arch: Any, counts: dict[str, Any], micro_batches: Any) -> Any
         total = total + counts[block] * n
     return (EAGER_OPS_PER_PARAM_TENSOR * total + EAGER_STEP_OPS + EAGER_STEP_OPS_PER_MOE_LAYER * counts["moe"]
             + EAGER_OPS_PER_MICRO_BATCH * np.asarray(micro_batches, dtype=float))
+
+
+EAGER_STEP_COLLECTIVE_BYTES = 256.0
+"""Size of each bookkeeping all-reduce: a few scalars up to (2 + MoE layers x experts) float64
+statistics; latency-bound at any of these sizes."""
+
+
+def eager_step_collectives(lay: Any) -> dict[str, Any]:
+    """Small all-reduces the bundled trainer issues once per step, by process group
+    (`perfmodel.comm.group_geometry` names; a group of one costs nothing). Source:
+    mosaic/trainer/train.py and parallelize.clip_grad_norm --
+    dp: the step's global target-token count (normalises the loss exactly);
+    world: loss, auxiliary loss and per-expert load statistics;
+    tp: the gradient norm's square sums of DTensor gradients, one per sharded placement
+    (column-wise Shard(0) and row-wise Shard(1) weights; replicated ones need none);
+    ep / etp: the expert gradients' square sum; pp_all: the norm's total over stages."""
+    one = np.ones_like(np.asarray(lay.tp, dtype=float))
+    return {"dp": one, "world": one, "tp": 2.0 * one, "ep": one, "etp": one, "pp_all": one}
+
+
+EAGER_DTENSOR_OPS = {
+    # block: (forward, backward) ops on DTensors per micro-batch (per layer for layer blocks) under tp > 1
+    "embedding": (1.0, 2.0),      # vocabulary-parallel lookup (RowwiseParallel)
+    "attention": (16.0, 36.0),    # column-wise q/k/v, row-wise o and their reshapes (GQA and MHA alike)
+    "dense_ffn": (12.0, 27.0),    # column-wise w1/w3, row-wise w2 (SwiGLU)
+    "moe": (2.0, 7.0),            # the replicated router weight (experts see a sequence shard, plain tensors)
+    "head": (4.0, 9.0),           # column-wise LM head, logits gathered
+}
+"""Measured with `calibration.eager_ops.count_trainer_ops(arch, tp=2)` (torch 2.13, fake 2-rank
+world) on the tiny MoE of examples/tiny_moe.yaml without its shared expert (router only) and
+the dense variant; the counts do not depend on the tp degree, mbs or widths."""
+EAGER_DTENSOR_SHARED_EXPERT_OPS = (6.0, 21.0)
+"""A gated shared expert (column-wise w1/w3, row-wise w2) in the MoE layer (measured 8/28 with, 2/7 without)."""
+EAGER_DTENSOR_UNGATED_OPS = {"dense_ffn": (-4.0, -9.0), "moe": (-2.0, -7.0)}
+"""GeLU MLPs (no w3): dense 8/18 vs 12/27; MoE with shared expert 6/21 vs 8/28 (measured)."""
+EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR = 2.0
+"""Full recompute adds about twice the layers' forward DTensor ops (measured +109 on the 2-layer
+tiny MoE whose layer forwards hold 52): the checkpointed forward re-runs and re-wraps."""
+EAGER_DTENSOR_OPS_PER_PARAM_TENSOR = 11.0
+"""Per DTensor parameter: AdamW foreach=False runs 8 of its ops on the DTensor (measured: 136 on the
+tiny MoE's 17 DTensor parameters), the gradient norm 3 (pow, sum, accumulate; clip_grad_norm)."""
+EAGER_DTENSOR_STEP_OPS = 2.0
+"""Per step: the gradient norm's full_tensor, once per sharded placement (Shard(0), Shard(1))."""
+
+
+def eager_dtensor_block_ops(arch: Any) -> dict[str, tuple[Any, Any]]:
+    """(forward, backward) DTensor ops per micro-batch of each block under tp > 1 (per layer)."""
+    f = np.asarray
+    ungated = ~f(arch.gated_ffn, dtype=bool)
+    shared = f(arch.n_shared_experts, dtype=float) > 0
+    out: dict[str, tuple[Any, Any]] = {}
+    for block, (fwd, bwd) in EAGER_DTENSOR_OPS.items():
+        fwd, bwd = f(fwd), f(bwd)
+        if block == "moe":
+            fwd = fwd + shared * EAGER_DTENSOR_SHARED_EXPERT_OPS[0]
+            bwd = bwd + shared * EAGER_DTENSOR_SHARED_EXPERT_OPS[1]
+            d_fwd, d_bwd = EAGER_DTENSOR_UNGATED_OPS["moe"]
+            fwd, bwd = fwd + (ungated & shared) * d_fwd, bwd + (ungated & shared) * d_bwd
+        if block == "dense_ffn":
+            d_fwd, d_bwd = EAGER_DTENSOR_UNGATED_OPS["dense_ffn"]
+            fwd, bwd = fwd + ungated * d_fwd, bwd + ungated * d_bwd
+        out[block] = (fwd * 1.0, bwd * 1.0)
+    return out
+
+
+def eager_dtensor_param_tensors(arch: Any) -> dict[str, Any]:
+    """DTensor parameters per block under tp > 1: the tensor-parallel linears and the router
+    weight; norms and routed experts stay plain tensors."""
+    f = np.asarray
+    ffn = np.where(f(arch.gated_ffn, dtype=bool), 3.0, 2.0)
+    shared = np.where(f(arch.n_shared_experts, dtype=float) > 0, ffn, 0.0)
+    return {"embedding": f(1.0), "attention": f(4.0), "dense_ffn": ffn, "moe": 1.0 + shared,
+            "head": np.where(f(arch.tie_embeddings, dtype=bool), 0.0, 1.0)}

@@ -32,7 +32,8 @@ MFU = model_flops_per_token (DESIGN.md convention) x tokens/s / (devices x
 peak of the layout's precision); on host-sized CPU clusters ranks beyond
 `host_cores` share the cores, so each rank's peak is scaled by
 min(1, host_cores / devices) for both time and MFU, and its launch latency
-divided by it (a rank gets that share of a core's time to dispatch).
+and collective times divided by it (a rank gets that share of a core's time
+to dispatch, and gloo moves and reduces its messages on the same cores).
 
 Infeasible candidates never raise: `feasible` is False and `reason` names the
 first failed check (invalid_layout, devices, precision, memory); their
@@ -50,9 +51,16 @@ import numpy as np
 
 from perfmodel.comm import collective_coefficients, collective_time, group_geometry, group_levels
 from perfmodel.eager import (
+    EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR,
+    EAGER_DTENSOR_OPS_PER_PARAM_TENSOR,
+    EAGER_DTENSOR_STEP_OPS,
     EAGER_FULL_RECOMPUTE_OPS,
     EAGER_SELECTIVE_RECOMPUTE_OPS,
+    EAGER_STEP_COLLECTIVE_BYTES,
     eager_block_ops,
+    eager_dtensor_block_ops,
+    eager_dtensor_param_tensors,
+    eager_step_collectives,
     eager_step_ops,
 )
 from perfmodel.errors import InputError
@@ -381,8 +389,9 @@ class _Collectives:
     repeated message (the same array object, e.g. the forward and backward all-to-alls
     of one buffer) is priced once."""
 
-    def __init__(self, cluster: Any, lay: Any) -> None:
+    def __init__(self, cluster: Any, lay: Any, share: Any = 1.0) -> None:
         self.cluster, self.lay = cluster, lay
+        self.slowdown = 1.0 / np.asarray(share, dtype=float)  # CPU ranks beyond the cores (1 elsewhere)
         self._coef: dict[tuple[str, str], Any] = {}
         self._levels: dict[str, Any] = {}
         self._times: dict[tuple[str, str, int], tuple[Any, Any]] = {}
@@ -397,7 +406,7 @@ class _Collectives:
             if group not in self._levels:
                 self._levels[group] = group_levels(self.cluster, n, stride) if np.any(n > 1.0) else None
             self._coef[key] = collective_coefficients(self.cluster, kind, n, stride, self._levels[group])
-        seconds = collective_time(self.cluster, kind, size_bytes, None, None, coefficients=self._coef[key])
+        seconds = collective_time(self.cluster, kind, size_bytes, None, None, coefficients=self._coef[key]) * self.slowdown
         self._times[(group, kind, id(size_bytes))] = (size_bytes, seconds)  # holds the array: its id stays unique
         return seconds
 
@@ -564,6 +573,7 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
     bwd_device = bwd_compute + sum(exposed[f"bwd_{c}"] for c in ("cp", "tp", "ep", "pp", "fsdp"))
     if cluster.host_cores is not None:  # CPU ranks run their own kernels: launch time adds
         dispatch = (fwd_kernels + bwd_kernels) * lat + 0.0 * fwd_device
+        dispatch = dispatch + _dtensor_mb_ops(arch, lay, counts, full) * _dtensor_latency(hw)
     else:  # the host enqueues ahead of the device: only launch time beyond device time shows
         dispatch = np.maximum(fwd_kernels * lat - fwd_device, 0.0) + np.maximum(bwd_kernels * lat - bwd_device, 0.0)
     t_mb = fwd_device + bwd_device + dispatch
@@ -599,10 +609,34 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
     opt_kernels = OPTIMIZER_KERNELS_PER_LAYER * np.maximum(counts["attention"], 1.0)
     if cluster.host_cores is not None:  # eager: the optimizer's and the trainer's per-step ops, run in turn
         opt_kernels = eager_step_ops(arch, counts, micro_batches(lay))
-        out["optimizer"] = hw.memory_time(opt_bytes, opt_kernels) + opt_kernels * lat
+        bookkeeping = sum(count * comm_cost.time(group, "all_reduce", EAGER_STEP_COLLECTIVE_BYTES)
+                          for group, count in eager_step_collectives(lay).items())
+        out["optimizer"] = (hw.memory_time(opt_bytes, opt_kernels) + opt_kernels * lat + bookkeeping
+                            + _dtensor_step_ops(arch, lay, counts) * _dtensor_latency(hw))
     else:
         out["optimizer"] = np.maximum(hw.memory_time(opt_bytes, opt_kernels), opt_kernels * lat)
     return out
+
+
+def _dtensor_latency(hw: _Hardware) -> Any:
+    """Seconds a DTensor op adds on an eager CPU rank (0 where the cluster has no figure)."""
+    return (hw.acc.dtensor_op_latency_s or 0.0) / hw.share
+
+
+def _dtensor_mb_ops(arch: Any, lay: Any, counts: dict[str, Any], full: Any) -> Any:
+    """DTensor ops of one micro-batch on a stage under tp > 1 (`perfmodel.eager`), 0 without tp."""
+    ops = eager_dtensor_block_ops(arch)
+    per_mb = sum(counts[b] * (ops[b][0] + ops[b][1]) for b in ops)
+    layer_fwd = sum(counts[b] * ops[b][0] for b in _LAYER_BLOCKS)
+    per_mb = per_mb + np.where(full, EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR * layer_fwd, 0.0)
+    return np.where(np.asarray(lay.tp, dtype=float) > 1, per_mb, 0.0)
+
+
+def _dtensor_step_ops(arch: Any, lay: Any, counts: dict[str, Any]) -> Any:
+    """DTensor ops once per step on a stage under tp > 1: optimizer and gradient norm."""
+    tensors = eager_dtensor_param_tensors(arch)
+    per_step = EAGER_DTENSOR_OPS_PER_PARAM_TENSOR * sum(counts[b] * tensors[b] for b in tensors) + EAGER_DTENSOR_STEP_OPS
+    return np.where(np.asarray(lay.tp, dtype=float) > 1, per_step, 0.0)
 
 
 TABLE_ARCH_FIELDS = tuple(f for f in ARCH_FIELDS if f != "ffn_ratio")
@@ -653,8 +687,8 @@ def _shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: Any, device
         return _block_tables(arch, lay, comm_cost, hw)
     first, inverse = groups
     sub_lay = lay.take(first)
-    sub = _block_tables(arch.take(first), sub_lay, _Collectives(cluster, sub_lay),
-                        _Hardware(cluster, sub_lay, devices[first]))
+    sub_hw = _Hardware(cluster, sub_lay, devices[first])
+    sub = _block_tables(arch.take(first), sub_lay, _Collectives(cluster, sub_lay, sub_hw.share), sub_hw)
     return {block: {k: (v[inverse] if np.ndim(v) else v) for k, v in t.items()} for block, t in sub.items()}
 
 
@@ -672,7 +706,7 @@ def _as_float(batch: Any) -> Any:
 def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: Any, devices: np.ndarray) -> EvalResult:
     arch, lay = _as_float(arch), _as_float(lay)
     hw = _Hardware(cluster, lay, devices)
-    comm_cost = _Collectives(cluster, lay)
+    comm_cost = _Collectives(cluster, lay, hw.share)
     tables = _shared_block_tables(arch, lay, cluster, devices, comm_cost, hw)
     counts = stage_layer_counts(arch, lay)
     m = micro_batches(lay)

@@ -40,6 +40,20 @@ def _eager_ops(arch: MoEArchitecture) -> dict[str, tuple[float, float]]:
     return ops
 
 
+def _dtensor_ops(arch: MoEArchitecture) -> dict[str, tuple[float, float]]:
+    """(fwd, bwd) DTensor ops per micro-batch of each block under tp > 1 (perfmodel.eager's counts)."""
+    out = {}
+    for block, (fwd, bwd) in eager.EAGER_DTENSOR_OPS.items():
+        if block == "moe" and arch.n_shared_experts > 0:
+            fwd, bwd = fwd + eager.EAGER_DTENSOR_SHARED_EXPERT_OPS[0], bwd + eager.EAGER_DTENSOR_SHARED_EXPERT_OPS[1]
+            if not arch.gated_ffn:
+                fwd, bwd = fwd + eager.EAGER_DTENSOR_UNGATED_OPS["moe"][0], bwd + eager.EAGER_DTENSOR_UNGATED_OPS["moe"][1]
+        if block == "dense_ffn" and not arch.gated_ffn:
+            fwd, bwd = fwd + eager.EAGER_DTENSOR_UNGATED_OPS[block][0], bwd + eager.EAGER_DTENSOR_UNGATED_OPS[block][1]
+        out[block] = (fwd, bwd)
+    return out
+
+
 def _ceil_log2(x: float) -> float:
     return float(math.ceil(math.log2(x) - 1e-9)) if x > 1 else 0.0
 
@@ -251,11 +265,12 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
     # ---- collectives per block per micro-batch, placed in Megatron rank order
     edp = max(tp * cp * dp / (etp * ep), 1.0)
     groups = {"tp": (tp, 1), "cp": (cp, tp), "ep": (ep, etp), "etp": (etp, 1), "dp": (dp * cp, tp),
-              "edp": (edp, etp * ep), "pp": (2 if pp > 1 else 1, tp * cp * dp)}
+              "edp": (edp, etp * ep), "pp": (2 if pp > 1 else 1, tp * cp * dp), "pp_all": (pp, tp * cp * dp),
+              "world": (tp * cp * dp * pp, 1)}
 
     def coll(group: str, kind: str, nbytes: float) -> float:
         n, stride = groups[group]
-        return collective_seconds(cluster, kind, nbytes, n, stride)
+        return collective_seconds(cluster, kind, nbytes, n, stride) / dev.share  # ranks sharing CPU cores
 
     hidden_b = b * T * h
     a2a = b * T_moe * k * h * LOAD_FACTOR
@@ -374,8 +389,15 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
                 bwd_kernels += eager.EAGER_SELECTIVE_RECOMPUTE_OPS * c["attention"]
         fwd_device = fwd_compute + sum(exposed[f"fwd_{x}"] for x in ("cp", "tp", "ep", "pp", "fsdp"))
         bwd_device = bwd_compute + sum(exposed[f"bwd_{x}"] for x in ("cp", "tp", "ep", "pp", "fsdp"))
+        dtensor_lat = (cluster.accelerator.dtensor_op_latency_s or 0.0) / dev.share
         if cluster.host_cores is not None:   # a CPU rank launches and runs its own kernels
             st["dispatch"] = (fwd_kernels + bwd_kernels) * lat
+            if tp > 1:                       # the trainer's tensor-parallel modules are DTensors
+                dt = _dtensor_ops(arch)
+                dt_mb = sum(c[blk] * (dt[blk][0] + dt[blk][1]) for blk in dt)
+                if full:
+                    dt_mb += eager.EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR * sum(c[blk] * dt[blk][0] for blk in layer_blocks)
+                st["dispatch"] += dt_mb * dtensor_lat
         else:                                # launches overlap device work; the excess shows
             st["dispatch"] = max(fwd_kernels * lat - fwd_device, 0.0) + max(bwd_kernels * lat - bwd_device, 0.0)
         st["t_mb"] = fwd_device + bwd_device + st["dispatch"]
@@ -409,6 +431,15 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
             opt_kernels = (eager.EAGER_OPS_PER_PARAM_TENSOR * tensors + eager.EAGER_STEP_OPS
                            + eager.EAGER_STEP_OPS_PER_MOE_LAYER * c["moe"] + eager.EAGER_OPS_PER_MICRO_BATCH * m)
             st["optimizer"] = dev.memory_seconds(opt_bytes, opt_kernels) + opt_kernels * lat
+            # the trainer's per-step small all-reduces: token count, statistics, gradient-norm parts
+            for group, count in (("dp", 1.0), ("world", 1.0), ("tp", 2.0), ("ep", 1.0), ("etp", 1.0), ("pp_all", 1.0)):
+                st["optimizer"] += count * coll(group, "all_reduce", eager.EAGER_STEP_COLLECTIVE_BYTES)
+            if tp > 1:
+                dt_tensors = (c["embedding"] + 4.0 * c["attention"] + gated * c["dense_ffn"]
+                              + (1.0 + (gated if arch.n_shared_experts > 0 else 0.0)) * c["moe"]
+                              + (0.0 if arch.tie_embeddings else 1.0) * c["head"])
+                st["optimizer"] += (eager.EAGER_DTENSOR_OPS_PER_PARAM_TENSOR * dt_tensors
+                                    + eager.EAGER_DTENSOR_STEP_OPS) * dtensor_lat
         st["base"] = (m + slots) * st["t_mb"] + st["dp_step_exposed"] + st["optimizer"]
         st["dense_params"], st["expert_params"] = dense_p, expert_p
         stages[stage_name] = st

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch", reason="counting the trainer's ops needs torch")
 
-from calibration.eager_ops import count_trainer_ops, eager_op_seconds  # noqa: E402
+from calibration.eager_ops import count_trainer_ops, dtensor_op_seconds, eager_op_seconds  # noqa: E402
 from perfmodel import eager  # noqa: E402
 from perfmodel.specs.architecture import MoEArchitecture  # noqa: E402
 
@@ -58,3 +58,36 @@ def test_eager_op_cost_is_a_positive_per_op_time() -> None:
     seconds, noise, ops = eager_op_seconds(repeats=5, max_seconds=0.05)
     assert ops > 100  # four RMSNorm + SwiGLU blocks forward and backward
     assert 0 < seconds < 1e-3 and noise >= 0
+
+
+def predicted_dtensor(arch: MoEArchitecture, recompute: str = "none") -> tuple[float, float]:
+    """(forward + backward DTensor ops of one micro-batch, DTensor parameters) under tp > 1, from perfmodel.eager."""
+    ops = eager.eager_dtensor_block_ops(arch)
+    layers = {"attention": arch.n_layers, "dense_ffn": arch.n_dense_layers if arch.n_experts else arch.n_layers,
+              "moe": arch.n_layers - arch.n_dense_layers if arch.n_experts else 0, "embedding": 1, "head": 1}
+    total = sum(layers[b] * float(ops[b][0] + ops[b][1]) for b in ops)
+    if recompute == "full":
+        total += eager.EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR * sum(
+            layers[b] * float(ops[b][0]) for b in ("attention", "dense_ffn", "moe"))
+    tensors = sum(layers[b] * float(n) for b, n in eager.eager_dtensor_param_tensors(arch).items())
+    return total, tensors
+
+
+@pytest.mark.parametrize("arch,recompute", [
+    (TINY, "none"), (DENSE, "none"), (dataclasses.replace(TINY, n_kv_heads=4), "none"),
+    (dataclasses.replace(TINY, n_shared_experts=0), "none"), (TINY, "full"), (dataclasses.replace(TINY, n_layers=3), "none"),
+], ids=["tiny_moe", "dense", "mha", "no_shared", "full", "three_layers"])
+def test_model_dtensor_counts_equal_the_tensor_parallel_trainers(arch: MoEArchitecture, recompute: str) -> None:
+    counts = count_trainer_ops(arch, recompute, tp=2)
+    mb = sum(v for k, v in counts.items() if k.startswith(("dtensor_fwd_", "dtensor_bwd_")))
+    want_mb, tensors = predicted_dtensor(arch, recompute)
+    assert mb == pytest.approx(want_mb, rel=0.05)
+    # AdamW (foreach=False) ops per DTensor parameter, without the gradient-norm ops the trainer adds
+    assert counts["dtensor_opt"] == pytest.approx((eager.EAGER_DTENSOR_OPS_PER_PARAM_TENSOR - 3.0) * tensors, abs=2)
+
+
+def test_dtensor_op_cost_is_positive_and_above_a_plain_ops() -> None:
+    seconds, noise, ops = dtensor_op_seconds(samples=3)
+    assert ops > 50  # column-/row-wise linears of four blocks, forward and backward
+    plain, _, _ = eager_op_seconds(repeats=5, max_seconds=0.05)
+    assert plain < seconds < 1e-2 and noise >= 0  # sharding propagation costs more than a plain dispatch

@@ -358,3 +358,31 @@ def test_cpu_ranks_pay_launch_time_on_top():
     assert on_cpu.breakdown["dispatch"][0] > 0
     assert on_cpu.breakdown["compute"][0] == pytest.approx(on_gpu.breakdown["compute"][0])
     assert on_cpu.step_time_s[0] > on_gpu.step_time_s[0]
+
+
+def test_cpu_ranks_beyond_cores_share_the_fabric_too():
+    cpu = dataclasses.replace(ideal_cluster(0.5), host_cores=2, devices=8)
+    two = evaluate(DENSE, parse_layout("dp=2,gbs=4", devices=2), cpu)
+    four = evaluate(DENSE, parse_layout("dp=2,tp=2,gbs=4", devices=4), cpu)
+    own_cores = dataclasses.replace(cpu, host_cores=4)
+    four_alone = evaluate(DENSE, parse_layout("dp=2,tp=2,gbs=4", devices=4), own_cores)
+    # gloo moves and reduces on the shared cores: every collective of a rank takes 1/share as long
+    for key in ("tp_exposed", "dp_exposed"):
+        assert four.breakdown[key][0] == pytest.approx(2 * four_alone.breakdown[key][0], rel=1e-9)
+    assert two.breakdown["dp_exposed"][0] > 0
+
+
+def test_eager_tensor_parallel_pays_dtensor_ops_only_on_cpu_ranks():
+    cpu = dataclasses.replace(H100, host_cores=16)
+    priced = dataclasses.replace(cpu, accelerator=dataclasses.replace(
+        cpu.accelerator, dtensor_op_latency_s=1e-4, sources={**cpu.accelerator.sources, "dtensor_op_latency_s": "test"}))
+    layout = parse_layout("tp=2,gbs=4", devices=2)
+    without = evaluate(DENSE, layout, cpu)
+    with_cost = evaluate(DENSE, layout, priced)
+    # every DTensor op of the micro-batches and of the optimizer adds its latency
+    assert with_cost.breakdown["dispatch"][0] > without.breakdown["dispatch"][0]
+    assert with_cost.breakdown["optimizer"][0] > without.breakdown["optimizer"][0]
+    no_tp = parse_layout("dp=2,gbs=4", devices=2)
+    assert evaluate(DENSE, no_tp, priced).step_time_s[0] == pytest.approx(evaluate(DENSE, no_tp, cpu).step_time_s[0])
+    gpu = dataclasses.replace(priced, host_cores=None)  # GPUs: the host enqueues ahead, DTensor is not priced
+    assert evaluate(DENSE, layout, gpu).step_time_s[0] == pytest.approx(evaluate(DENSE, layout, H100).step_time_s[0])
