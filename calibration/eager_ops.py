@@ -84,47 +84,68 @@ class DTensorOpCounter(OpCounter):
 @contextlib.contextmanager
 def fake_world(ranks: int) -> Iterator[Any]:
     """A 1-D device mesh of `ranks` on torch's in-process fake process group (collectives do
-    nothing): the host-side work of a tensor-parallel rank, in one process. Refused (InputError)
-    where a process group already exists."""
+    nothing): the host-side work of a tensor- or expert-parallel rank, in one process. An
+    all_to_all_single returns its input, as on a rank whose peers route exactly like it (the
+    expert-parallel dispatch then sees consistent split sizes); the copy is made outside any
+    dispatch mode, so counters see the collective once, as in a real world. Refused
+    (InputError) where a process group already exists."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import _disable_current_modes
 
     from perfmodel.errors import InputError
 
     if dist.is_initialized():
         raise InputError("DTensor op counts and costs need a process of their own (a process group is already "
                          "initialised); run them outside torchrun")
+    original = dist.all_to_all_single
+
+    def mirrored(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = original(output, input, *args, **kwargs)
+        with _disable_current_modes(), torch.no_grad():
+            if output.numel() == input.numel():
+                output.copy_(input.reshape(output.shape))
+        return work
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    dist.all_to_all_single = mirrored
     try:
         yield init_device_mesh("cpu", (ranks,))
     finally:
+        dist.all_to_all_single = original
         dist.destroy_process_group()
 
 
-def count_trainer_ops(arch: Any, recompute: str = "none", mbs: int = 2, tp: int = 1) -> dict[str, int]:
+def count_trainer_ops(arch: Any, recompute: str = "none", mbs: int = 2, tp: int = 1, ep: int = 1) -> dict[str, int]:
     """Ops of one training step of the bundled model on one device, keyed phase_block
     (fwd_attention, bwd_moe, ... per micro-batch, summed over layers) and `opt` (AdamW
     foreach=False as the trainer builds it). The second of two steps is counted (the first
     creates optimizer state). With tp > 1 the model is tensor-parallel on a fake world
-    (`fake_world`) and ops on DTensors are counted apart under dtensor_<key>."""
-    if tp > 1:
-        with fake_world(tp) as mesh:
-            return _count_trainer_ops(arch, recompute, mbs, mesh)
-    return _count_trainer_ops(arch, recompute, mbs, None)
+    (`fake_world`) and ops on DTensors are counted apart under dtensor_<key>; with ep > 1 its
+    experts are expert-parallel (dp = ep) on a fake world, every rank routing alike."""
+    if tp > 1 and ep > 1:
+        raise ValueError("count tp and ep apart")
+    if tp > 1 or ep > 1:
+        with fake_world(max(tp, ep)) as mesh:
+            return _count_trainer_ops(arch, recompute, mbs, mesh if tp > 1 else None, ep)
+    return _count_trainer_ops(arch, recompute, mbs, None, 1)
 
 
-def _count_trainer_ops(arch: Any, recompute: str, mbs: int, tp_mesh: Any) -> dict[str, int]:
+def _count_trainer_ops(arch: Any, recompute: str, mbs: int, tp_mesh: Any, ep: int) -> dict[str, int]:
     import torch.nn.functional as F
 
     from mosaic.trainer.model import Transformer
-    from mosaic.trainer.parallelize import apply_ac
+    from mosaic.trainer.parallelize import apply_ac, apply_ep, build_meshes
     from mosaic.trainer.tensor_parallel import apply_tp
+    from perfmodel.specs.layout import parse_layout
 
     torch.manual_seed(0)
     model = Transformer(arch)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, sequence_parallel=False)
+    if ep > 1:
+        apply_ep(model, build_meshes(parse_layout(f"dp={ep},ep={ep},mbs={mbs},gbs={mbs * ep}", devices=ep), "cpu"))
     apply_ac(model, recompute)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     counter = OpCounter() if tp_mesh is None else DTensorOpCounter()

@@ -44,6 +44,11 @@ EAGER_OPS = {
 }
 """Measured counts of the tiny MoE with multi-head attention (n_kv_heads = n_heads), gated FFNs
 and no shared expert; the corrections below give the other variants."""
+EAGER_EP_OPS = (36.0, 8.0)
+"""Per MoE layer with ep > 1 (expert-parallel dispatch of `mosaic.trainer.parallelize`): the
+count exchange, split sizes, the expert-major permutation, dispatch and combine all-to-alls
+and their autograd records (measured with `count_trainer_ops(arch, ep=2)` and ep=4: MoE
+layer 92/106 vs 56/98 on one device, with or without the shared expert; independent of ep)."""
 EAGER_GQA_OPS = (8.0, 8.0)
 """Grouped-query attention: repeat_interleave of K and V (measured GQA 86/89 vs MHA 78/81)."""
 EAGER_SHARED_EXPERT_OPS = (9.0, 26.0)

@@ -52,6 +52,7 @@ import numpy as np
 from perfmodel.comm import collective_coefficients, collective_time, group_geometry, group_levels
 from perfmodel.eager import (
     EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR,
+    EAGER_EP_OPS,
     EAGER_DTENSOR_OPS_PER_PARAM_TENSOR,
     EAGER_DTENSOR_STEP_OPS,
     EAGER_FULL_RECOMPUTE_OPS,
@@ -81,6 +82,7 @@ from perfmodel.operators import (
     dp_flavor_code,
     embedding_ops,
     head_ops,
+    eager_trainer_comms,
     layer_comms,
     moe_ops,
     precision_code,
@@ -445,7 +447,8 @@ def _block_tables(arch: Any, lay: Any, comm_cost: _Collectives, hw: _Hardware) -
     kernels, the forward totals (for full recompute) and the attention core's
     forward (for selective recompute); and communication per class and phase."""
     tables: dict[str, dict[str, Any]] = {}
-    comms = layer_comms(arch, lay)
+    eager = comm_cost.cluster.host_cores is not None  # CPU ranks run the bundled trainer
+    comms = eager_trainer_comms(arch, lay) if eager else layer_comms(arch, lay)
     for block, builder in _BLOCK_BUILDERS:
         t: dict[str, Any] = {f"{ph}_{cat}": 0.0 for ph in ("fwd", "bwd") for cat in _CATS}
         t.update(fwd_overlap=0.0, bwd_overlap=0.0, fwd_kernels=0.0, bwd_kernels=0.0, core_fwd=0.0)
@@ -564,9 +567,10 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
                    + np.where(full, total("fwd_kernels", _LAYER_BLOCKS), np.where(selective, counts["attention"], 0.0)))
     if cluster.host_cores is not None:  # eager PyTorch ranks (the bundled trainer): its op counts
         eager = eager_block_ops(arch)
-        fwd_kernels = total("fwd_comm_kernels") + sum(counts[b] * eager[b][0] for b in eager)
-        layer_fwd_ops = sum(counts[b] * eager[b][0] for b in _LAYER_BLOCKS)
-        bwd_kernels = (total("bwd_comm_kernels") + sum(counts[b] * eager[b][1] for b in eager)
+        ep_moe = np.where(np.asarray(lay.ep, dtype=float) > 1, counts["moe"], 0.0)  # expert-parallel dispatch
+        fwd_kernels = total("fwd_comm_kernels") + sum(counts[b] * eager[b][0] for b in eager) + ep_moe * EAGER_EP_OPS[0]
+        layer_fwd_ops = sum(counts[b] * eager[b][0] for b in _LAYER_BLOCKS) + ep_moe * EAGER_EP_OPS[0]
+        bwd_kernels = (total("bwd_comm_kernels") + sum(counts[b] * eager[b][1] for b in eager) + ep_moe * EAGER_EP_OPS[1]
                        + np.where(full, layer_fwd_ops + EAGER_FULL_RECOMPUTE_OPS * counts["attention"],
                                   np.where(selective, EAGER_SELECTIVE_RECOMPUTE_OPS * counts["attention"], 0.0)))
     fwd_device = fwd_compute + sum(exposed[f"fwd_{c}"] for c in ("cp", "tp", "ep", "pp", "fsdp"))

@@ -484,3 +484,62 @@ def layer_comms(arch: Any, lay: Any) -> dict[str, list[Comm]]:
             Comm("tp_head_reduce_bwd", "head", "tp", "all_reduce", "bwd", no_sp_hidden),
             *(Comm(f"tp_cross_entropy_{i}_fwd", "head", "tp", "all_reduce", "fwd", 4.0 * T) for i in range(3))]
     return {"attention": attn, "dense_ffn": dense, "moe": moe, "embedding": embedding, "head": head}
+
+
+def eager_trainer_comms(arch: Any, lay: Any) -> dict[str, list[Comm]]:
+    """`layer_comms` with the bundled trainer's tensor-parallel collectives in place of
+    Megatron's where it runs without sequence parallel (CPU clusters: their ranks run it).
+
+    The trainer keeps q/k/v and w1/w3 as separate DTensor linears (torch ColwiseParallel), so
+    each adds its own input-gradient all-reduce; MoE layers route a sequence shard per tp rank
+    and gather the output; the LM head gathers full logits (no vocab-parallel loss). Counted
+    per micro-batch with `calibration.eager_ops.fake_world` and torch.profiler on the tiny MoE,
+    its dense, ungated and no-shared-expert variants and 1-3 layers (torch 2.13):
+    attention fwd 1 / bwd 3 all-reduces of T*h; dense FFN 1 / 2 (1 ungated); MoE layer: fwd
+    the router's load statistics (E fp32 values) and the output all-gather, bwd the input
+    gradient's all-gather; a gated shared expert fwd all-gather + reduce-scatter, bwd 2
+    all-reduces + 1 all-gather (1 all-reduce ungated); embedding fwd 1 all-reduce; head fwd
+    an all-gather of T*V logits, bwd 1 all-reduce. With sequence parallel (not counted) the
+    Megatron list stays. Expert parallel adds the exchange of per-expert token counts (E int64)
+    before each dispatch.
+    """
+    base = layer_comms(arch, lay)
+    sh = shapes(arch, lay)
+    b = activation_bytes(lay)
+    plain = ~np.asarray(sh["sp"], dtype=bool)
+    hidden = np.where(plain, b * sh["T"] * sh["h"], 0.0)
+    gated = np.asarray(arch.gated_ffn, dtype=bool)
+    shared = np.asarray(arch.n_shared_experts, dtype=float) > 0
+    logits = np.where(plain, b * sh["T"] * np.asarray(arch.vocab_size, dtype=float), 0.0)
+    router_stats = np.where(plain, 4.0 * np.asarray(arch.n_experts, dtype=float), 0.0)
+
+    def tp(name: str, block: str, kind: str, phase: str, size: Any) -> Comm:
+        return Comm(name, block, "tp", kind, phase, size)
+
+    def megatron(block: str) -> list[Comm]:
+        """The block's comms, tp ones kept only where sequence parallel is on."""
+        return [c if c.group != "tp" else Comm(c.name, c.block, c.group, c.kind, c.phase, np.where(plain, 0.0, c.bytes))
+                for c in base[block]]
+
+    shared_hidden = np.where(shared, hidden, 0.0)
+    return {
+        "attention": megatron("attention") + [tp("eager_tp_attn_fwd", "attention", "all_reduce", "fwd", hidden)]
+        + [tp(f"eager_tp_qkv_{i}_bwd", "attention", "all_reduce", "bwd", hidden) for i in range(3)],
+        "dense_ffn": megatron("dense_ffn") + [tp("eager_tp_ffn_fwd", "dense_ffn", "all_reduce", "fwd", hidden),
+                                              tp("eager_tp_w1_bwd", "dense_ffn", "all_reduce", "bwd", hidden),
+                                              tp("eager_tp_w3_bwd", "dense_ffn", "all_reduce", "bwd",
+                                                 np.where(gated, hidden, 0.0))],
+        "moe": megatron("moe") + [
+            Comm("eager_ep_counts_fwd", "moe", "ep", "all_to_all", "fwd", 8.0 * np.asarray(arch.n_experts, dtype=float)),
+            tp("eager_tp_router_stats_fwd", "moe", "all_reduce", "fwd", router_stats),
+            tp("eager_tp_moe_out_fwd", "moe", "all_gather", "fwd", hidden),
+            tp("eager_tp_moe_in_bwd", "moe", "all_gather", "bwd", hidden),
+            tp("eager_tp_shared_in_fwd", "moe", "all_gather", "fwd", shared_hidden),
+            tp("eager_tp_shared_out_fwd", "moe", "reduce_scatter", "fwd", shared_hidden),
+            tp("eager_tp_shared_w1_bwd", "moe", "all_reduce", "bwd", shared_hidden),
+            tp("eager_tp_shared_w3_bwd", "moe", "all_reduce", "bwd", np.where(gated, shared_hidden, 0.0)),
+            tp("eager_tp_shared_out_bwd", "moe", "all_gather", "bwd", shared_hidden)],
+        "embedding": megatron("embedding") + [tp("eager_tp_embedding_fwd", "embedding", "all_reduce", "fwd", hidden)],
+        "head": megatron("head") + [tp("eager_tp_logits_fwd", "head", "all_gather", "fwd", logits),
+                                    tp("eager_tp_head_bwd", "head", "all_reduce", "bwd", hidden)],
+    }

@@ -288,6 +288,23 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
         "head": ([("tp", "all_gather", "fwd", hidden_b), ("tp", "reduce_scatter", "bwd", hidden_b)] if sp
                  else [("tp", "all_reduce", "bwd", hidden_b)]) + [("tp", "all_reduce", "fwd", 4.0 * T)] * 3,
     }
+    if cluster.host_cores is not None and not sp:  # CPU ranks run the bundled trainer: its tp collectives
+        gated_n = 2 if arch.gated_ffn else 1
+        sh_b = hidden_b if arch.n_shared_experts > 0 else 0.0
+        trainer_tp = {
+            "attention": [("fwd", "all_reduce", hidden_b)] + [("bwd", "all_reduce", hidden_b)] * 3,
+            "dense_ffn": [("fwd", "all_reduce", hidden_b)] + [("bwd", "all_reduce", hidden_b)] * gated_n,
+            "moe": [("fwd", "all_reduce", 4.0 * arch.n_experts), ("fwd", "all_gather", hidden_b),
+                    ("bwd", "all_gather", hidden_b), ("fwd", "all_gather", sh_b), ("fwd", "reduce_scatter", sh_b),
+                    ("bwd", "all_gather", sh_b)] + [("bwd", "all_reduce", sh_b)] * gated_n,
+            "embedding": [("fwd", "all_reduce", hidden_b)],
+            "head": [("fwd", "all_gather", b * T * arch.vocab_size), ("bwd", "all_reduce", hidden_b)],
+        }
+        for block, extra in trainer_tp.items():
+            comm_list[block] = ([c for c in comm_list[block] if c[0] != "tp"]
+                                + [("tp", kind, phase, size) for phase, kind, size in extra])
+    if cluster.host_cores is not None:  # the trainer's expert-parallel count exchange (int64 per expert)
+        comm_list["moe"].append(("ep", "all_to_all", "fwd", 8.0 * arch.n_experts))
     comm_class = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "ep"}
     for name, items in comm_list.items():
         t = table[name]
@@ -381,10 +398,12 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
             tot("fwd_kernels", layer_blocks) if full else (c["attention"] if selective else 0.0))
         if cluster.host_cores is not None:   # eager PyTorch ranks: the bundled trainer's op counts
             ops = _eager_ops(arch)
-            fwd_kernels = tot("fwd_comm_kernels") + sum(c[blk] * ops[blk][0] for blk in ops)
-            bwd_kernels = tot("bwd_comm_kernels") + sum(c[blk] * ops[blk][1] for blk in ops)
+            ep_fwd, ep_bwd = eager.EAGER_EP_OPS if ep > 1 else (0.0, 0.0)
+            fwd_kernels = tot("fwd_comm_kernels") + sum(c[blk] * ops[blk][0] for blk in ops) + ep_fwd * c["moe"]
+            bwd_kernels = tot("bwd_comm_kernels") + sum(c[blk] * ops[blk][1] for blk in ops) + ep_bwd * c["moe"]
             if full:
-                bwd_kernels += sum(c[blk] * ops[blk][0] for blk in layer_blocks) + eager.EAGER_FULL_RECOMPUTE_OPS * c["attention"]
+                bwd_kernels += (sum(c[blk] * ops[blk][0] for blk in layer_blocks) + ep_fwd * c["moe"]
+                                + eager.EAGER_FULL_RECOMPUTE_OPS * c["attention"])
             elif selective:
                 bwd_kernels += eager.EAGER_SELECTIVE_RECOMPUTE_OPS * c["attention"]
         fwd_device = fwd_compute + sum(exposed[f"fwd_{x}"] for x in ("cp", "tp", "ep", "pp", "fsdp"))

@@ -91,3 +91,13 @@ def test_dtensor_op_cost_is_positive_and_above_a_plain_ops() -> None:
     assert ops > 50  # column-/row-wise linears of four blocks, forward and backward
     plain, _, _ = eager_op_seconds(repeats=5, max_seconds=0.05)
     assert plain < seconds < 1e-2 and noise >= 0  # sharding propagation costs more than a plain dispatch
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_model_expert_parallel_ops_equal_the_trainers(ep: int) -> None:
+    one = count_trainer_ops(TINY)
+    spread = count_trainer_ops(TINY, ep=ep)
+    moe_layers = TINY.n_layers - TINY.n_dense_layers
+    assert spread["fwd_moe"] - one["fwd_moe"] == eager.EAGER_EP_OPS[0] * moe_layers
+    assert spread["bwd_moe"] - one["bwd_moe"] == eager.EAGER_EP_OPS[1] * moe_layers
+    assert {k: v for k, v in spread.items() if "moe" not in k} == {k: v for k, v in one.items() if "moe" not in k}
