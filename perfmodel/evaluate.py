@@ -52,9 +52,9 @@ import numpy as np
 from perfmodel.comm import collective_coefficients, collective_time, group_geometry, group_levels
 from perfmodel.eager import (
     EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR,
-    EAGER_EP_OPS,
     EAGER_DTENSOR_OPS_PER_PARAM_TENSOR,
     EAGER_DTENSOR_STEP_OPS,
+    EAGER_EP_OPS,
     EAGER_FULL_RECOMPUTE_OPS,
     EAGER_SELECTIVE_RECOMPUTE_OPS,
     EAGER_STEP_COLLECTIVE_BYTES,
@@ -80,9 +80,9 @@ from perfmodel.operators import (
     attention_ops,
     dense_ffn_ops,
     dp_flavor_code,
+    eager_trainer_comms,
     embedding_ops,
     head_ops,
-    eager_trainer_comms,
     layer_comms,
     moe_ops,
     precision_code,
