@@ -189,6 +189,47 @@ def _count_trainer_ops(arch: Any, recompute: str, mbs: int, tp_mesh: Any, ep: in
     return dict(counter.counts)
 
 
+def count_saved_tensors(arch: Any, mbs: int = 2) -> dict[str, int]:
+    """Tensors autograd saves in one forward of the bundled model (what a checkpointed region
+    packs and unpacks), per block summed over layers: attention (its norm, projections, RoPE and
+    core), core (the attention core alone: what selective recompute checkpoints), dense_ffn and
+    moe (their norm and FFN), plus embedding and head."""
+    from mosaic.trainer.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(arch)
+    counts: collections.Counter[str] = collections.Counter()
+    label = ["embedding"]
+
+    def start(name: str) -> Any:
+        def hook(*_: Any) -> None:
+            label[0] = name
+        return hook
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        counts[label[0]] += 1
+        return t
+
+    for block in model.layers.values():
+        block.attn_norm.register_forward_pre_hook(start("attention"))
+        block.ffn_norm.register_forward_pre_hook(start("moe" if block.is_moe else "dense_ffn"))
+        attn, core = block.attn, block.attn.core
+
+        def counted_core(*args: Any, _core: Any = core, **kwargs: Any) -> Any:
+            label[0] = "core"
+            try:
+                return _core(*args, **kwargs)
+            finally:
+                label[0] = "attention"
+        attn.core = counted_core
+    model.norm.register_forward_pre_hook(start("head"))
+    tokens = torch.randint(0, arch.vocab_size, (mbs, arch.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens)
+    counts["attention"] += counts["core"]  # the layer region holds its core too
+    return dict(counts)
+
+
 class _Block(torch.nn.Module):
     """RMSNorm -> SwiGLU MLP -> residual, as in the bundled model's dense layer."""
 
@@ -270,15 +311,9 @@ def dtensor_op_samples(samples: int = 15, width: int = EAGER_BLOCK_WIDTH,
         sharded_step()
         reps = max(1, round(SAMPLE_SECONDS / max(time.perf_counter() - t0, 1e-6)))
 
-        def timed(step: Any) -> float:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                step()
-            return (time.perf_counter() - t0) / reps
-
         out = []
         for _ in range(samples):
-            out.append((timed(sharded_step) - timed(plain_step)) / ops)
+            out.append((_timed(sharded_step, reps) - _timed(plain_step, reps)) / ops)
         return out, ops
 
 
@@ -289,6 +324,97 @@ def dtensor_op_seconds(samples: int = 15) -> tuple[float, float, int]:
     values, ops = dtensor_op_samples(samples)
     stats = summarize([max(v, 1e-9) for v in values])
     return float(stats.median_s), float(stats.iqr_s / stats.median_s), ops
+
+
+def _timed(step: Any, reps: int) -> float:
+    """Seconds per call of `reps` calls back to back."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    return (time.perf_counter() - t0) / reps
+
+
+class _Core(torch.nn.Module):
+    """Causal SDPA over q, k, v: the region selective recompute checkpoints (few saved tensors)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _saved_per_call(fn: Any, *args: Any) -> int:
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return saved[0]
+
+
+def checkpoint_costs(samples: int = 9) -> tuple[list[float], list[float], dict[str, Any]]:
+    """(seconds per checkpointed region, seconds per tensor it saves -- one figure per paired
+    sample each --, details): host time
+    `torch.utils.checkpoint` (non-reentrant, as the trainer's recompute) adds beyond the ops it
+    dispatches, from two stacks of 4 regions each -- the eager RMSNorm + SwiGLU block (many saved
+    tensors) and a causal SDPA core (few) -- each timed with and without checkpointing in
+    alternating samples of about SAMPLE_SECONDS; the extra time per region minus its extra ops at
+    the per-op cost is solved for cost = region + saved x per_saved in each sample."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([_Block(EAGER_BLOCK_WIDTH) for _ in range(4)])
+    x = torch.randn(EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, requires_grad=True)
+    core = _Core()
+    qkv = [torch.randn(2, 4, 32, 16, requires_grad=True) for _ in range(3)]
+
+    def block_stack(ck: bool) -> Any:
+        def step() -> None:
+            h = x
+            for b in blocks:
+                h = checkpoint(b, h, use_reentrant=False) if ck else b(h)
+            h.sum().backward()
+            for p in blocks.parameters():
+                p.grad = None
+            x.grad = None
+        return step
+
+    def core_stack(ck: bool) -> Any:
+        def step() -> None:
+            outs = [checkpoint(core, *qkv, use_reentrant=False) if ck else core(*qkv) for _ in range(4)]
+            torch.stack([o.sum() for o in outs]).sum().backward()
+            for t in qkv:
+                t.grad = None
+        return step
+
+    stacks = {"block": (block_stack, _saved_per_call(blocks[0], x)), "core": (core_stack, _saved_per_call(core, *qkv))}
+    extra: dict[str, list[float]] = {}
+    for name, (make, _) in stacks.items():
+        plain, ck = make(False), make(True)
+        ops = {}
+        for key, step in (("plain", plain), ("ck", ck)):
+            counter = OpCounter()
+            with counter:
+                step()
+            ops[key] = sum(counter.counts.values())
+            for _ in range(3):
+                step()
+        t0 = time.perf_counter()
+        ck()
+        reps = max(1, round(SAMPLE_SECONDS / max(time.perf_counter() - t0, 1e-6)))
+
+        values = []
+        for _ in range(samples):
+            t_plain, t_ck = _timed(plain, reps), _timed(ck, reps)
+            per_op = t_plain / ops["plain"]
+            values.append((t_ck - t_plain - (ops["ck"] - ops["plain"]) * per_op) / 4)
+        extra[name] = values
+    s_block, s_core = stacks["block"][1], stacks["core"][1]
+    per_saved = [max((b - c) / (s_block - s_core), 0.0) if s_block != s_core else 0.0
+                 for b, c in zip(extra["block"], extra["core"])]
+    per_region = [max(c - p * s_core, 0.0) for c, p in zip(extra["core"], per_saved)]
+    return per_region, per_saved, {"saved": {"block": s_block, "core": s_core}}
 
 
 def eager_op_seconds(repeats: int = 15, max_seconds: float = 0.6) -> tuple[float, float, int]:
@@ -326,6 +452,12 @@ def _main() -> None:
         print(f"{name}: {counts}")
     per_op, noise, ops = eager_op_seconds()
     print(f"eager op with autograd (fwd + bwd, {ops} ops per sample): {per_op * 1e6:.2f} us per op (noise {noise:.2f})")
+    regions, saved, details = checkpoint_costs()
+    print(f"activation checkpoint: {sorted(regions)[len(regions) // 2] * 1e6:.1f} us per region + "
+          f"{sorted(saved)[len(saved) // 2] * 1e6:.2f} us per saved tensor ({details})")
+    for name, a in (("tiny_moe", arch), ("ungated", dataclasses.replace(arch, gated_ffn=False)),
+                    ("no shared expert", dataclasses.replace(arch, n_shared_experts=0))):
+        print(f"saved tensors per forward, {name}: {count_saved_tensors(a)}")
     dt_op, dt_noise, dt_ops = dtensor_op_seconds()
     print(f"DTensor op beyond the single-device ops ({dt_ops} DTensor ops per call): {dt_op * 1e6:.2f} us per op "
           f"(noise {dt_noise:.2f})")

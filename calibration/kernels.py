@@ -131,6 +131,9 @@ def kernel_plan(device: torch.device, quick: bool, precisions: list[str]) -> lis
     points.append(KernelPoint("launch", "fp32", {"batch": LAUNCH_BATCH}))
     if cpu and not torch.distributed.is_initialized():  # needs a fake process group of its own
         points.append(KernelPoint("dtensor_op", "fp32", {"ranks": 2}))
+    if cpu:  # what the bundled trainer's recompute adds on a CPU rank
+        points.append(KernelPoint("checkpoint_region", "fp32", {"regions": 4}))
+        points.append(KernelPoint("checkpoint_saved_tensor", "fp32", {"regions": 4}))
     return points
 
 
@@ -297,12 +300,34 @@ def _dtensor_point(point: KernelPoint, budget: Budget) -> Measurement:
                                   0.0, 0.0, stats)
 
 
+_CHECKPOINT_COSTS: dict[int, tuple[list[float], list[float], dict]] = {}
+
+
+def _checkpoint_point(point: KernelPoint, budget: Budget) -> Measurement:
+    """One of the two activation-checkpoint costs (calibration.eager_ops.checkpoint_costs, solved
+    from two stacks at once; the second point reuses the first's solution)."""
+    from calibration.eager_ops import checkpoint_costs
+
+    key = id(budget)
+    if key not in _CHECKPOINT_COSTS:
+        _CHECKPOINT_COSTS.clear()
+        _CHECKPOINT_COSTS[key] = checkpoint_costs(max(budget.min_repeats, 9))
+    regions, per_saved, details = _CHECKPOINT_COSTS[key]
+    values = regions if point.kind == "checkpoint_region" else per_saved
+    stats = summarize([max(v, 1e-12) for v in values])
+    return Measurement.from_stats(point.kind, "cpu", point.precision,
+                                  {"regions": int(point.shape["regions"]), **{f"saved_{k}": v for k, v in details["saved"].items()}},
+                                  0.0, 0.0, stats)
+
+
 def run_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
     """Time one kernel point on `device` and return its measurement."""
     if point.kind == "launch":
         return _launch_point(point, device, budget)
     if point.kind == "dtensor_op":
         return _dtensor_point(point, budget)
+    if point.kind in ("checkpoint_region", "checkpoint_saved_tensor"):
+        return _checkpoint_point(point, budget)
     prepared = prepare_point(point, device)
     return _measurement(prepared, device, time_call(prepared.fn, device, budget))
 
@@ -322,7 +347,7 @@ def run_points(points: list[KernelPoint], device: torch.device, budget: Budget,
     results: dict[int, Measurement] = {}
     index = {id(p): i for i, p in enumerate(points)}
     for (kind, _), group in groups.items():
-        if kind in ("launch", "dtensor_op"):
+        if kind in ("launch", "dtensor_op", "checkpoint_region", "checkpoint_saved_tensor"):
             for point in group:
                 results[index[id(point)]] = run_point(point, device, budget)
                 if progress:

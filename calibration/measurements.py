@@ -19,7 +19,8 @@ from calibration.stats import TimingStats
 from perfmodel.errors import InputError
 from perfmodel.specs.strict import write_text_atomic
 
-KERNEL_KINDS = ("gemm", "grouped_gemm", "sdpa", "mem_copy", "mem_add", "launch", "dtensor_op")
+KERNEL_KINDS = ("gemm", "grouped_gemm", "sdpa", "mem_copy", "mem_add", "launch", "dtensor_op", "checkpoint_region",
+                "checkpoint_saved_tensor")
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 

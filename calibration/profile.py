@@ -89,11 +89,18 @@ class Calibration:
     launch_latency_s: Optional[float]
     launch_noise: Optional[float]
     dtensor_op_latency_s: Optional[float]
+    checkpoint_region_latency_s: Optional[float]
+    checkpoint_saved_tensor_latency_s: Optional[float]
     collectives: list[AlphaBetaFit]
     grouped_gemm: Optional[dict[str, Any]]
     attention: Optional[dict[str, Any]]
     noise_median: float
     noise_p90: float
+
+
+def _median_of(rows: Sequence[Measurement], kind: str) -> Optional[float]:
+    values = [r.median_s for r in rows if r.kind == kind]
+    return float(np.median(values)) if values else None
 
 
 def fit_all(rows: Sequence[Measurement], peaks: Optional[dict[str, float]] = None,
@@ -135,6 +142,8 @@ def fit_all(rows: Sequence[Measurement], peaks: Optional[dict[str, float]] = Non
         launch_latency_s=float(np.median([r.median_s for r in launch])) if launch else None,
         launch_noise=float(np.median([r.noise for r in launch])) if launch else None,
         dtensor_op_latency_s=float(np.median([r.median_s for r in dtensor])) if dtensor else None,
+        checkpoint_region_latency_s=_median_of(rows, "checkpoint_region"),
+        checkpoint_saved_tensor_latency_s=_median_of(rows, "checkpoint_saved_tensor"),
         collectives=fit_collectives([r for r in rows if r.kind in COLLECTIVE_KINDS]),
         grouped_gemm=versus_dense(grouped), attention=versus_dense(attention),
         noise_median=float(np.median(noises)), noise_p90=float(np.percentile(noises, 90)),
@@ -236,6 +245,14 @@ def calibrated_mapping(base: str, rows: Sequence[Measurement], provenance: Prove
                                            "column-/row-wise tensor-parallel linears on a fake 2-rank mesh against the "
                                            f"same blocks on one device, calibration.eager_ops, {provenance.device}): {stamp}")
         section["dtensor_op"] = {"latency_s": float(f"{cal.dtensor_op_latency_s:.4g}")}
+    if cal.checkpoint_region_latency_s is not None and cal.checkpoint_saved_tensor_latency_s is not None:
+        what = ("solved from RMSNorm + SwiGLU block and causal SDPA stacks with and without non-reentrant "
+                f"torch.utils.checkpoint, calibration.eager_ops.checkpoint_costs, {provenance.device}")
+        for key in ("checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s"):
+            acc[key] = float(f"{getattr(cal, key):.4g}")
+            sources[key] = f"measured ({what}): {stamp}"
+        section["checkpoint"] = {"region_s": acc["checkpoint_region_latency_s"],
+                                 "saved_tensor_s": acc["checkpoint_saved_tensor_latency_s"]}
     if cal.grouped_gemm is not None:
         section["grouped_gemm"] = cal.grouped_gemm
     if cal.attention is not None:

@@ -56,11 +56,13 @@ from perfmodel.eager import (
     EAGER_DTENSOR_STEP_OPS,
     EAGER_EP_OPS,
     EAGER_FULL_RECOMPUTE_OPS,
+    EAGER_SAVED_CORE,
     EAGER_SELECTIVE_RECOMPUTE_OPS,
     EAGER_STEP_COLLECTIVE_BYTES,
     eager_block_ops,
     eager_dtensor_block_ops,
     eager_dtensor_param_tensors,
+    eager_saved_tensors,
     eager_step_collectives,
     eager_step_ops,
 )
@@ -578,6 +580,7 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
     if cluster.host_cores is not None:  # CPU ranks run their own kernels: launch time adds
         dispatch = (fwd_kernels + bwd_kernels) * lat + 0.0 * fwd_device
         dispatch = dispatch + _dtensor_mb_ops(arch, lay, counts, full) * _dtensor_latency(hw)
+        dispatch = dispatch + _checkpoint_seconds(arch, counts, full, selective, hw)
     else:  # the host enqueues ahead of the device: only launch time beyond device time shows
         dispatch = np.maximum(fwd_kernels * lat - fwd_device, 0.0) + np.maximum(bwd_kernels * lat - bwd_device, 0.0)
     t_mb = fwd_device + bwd_device + dispatch
@@ -625,6 +628,19 @@ def _stage(arch: Any, lay: Any, cluster: Any, hw: _Hardware, comm_cost: _Collect
 def _dtensor_latency(hw: _Hardware) -> Any:
     """Seconds a DTensor op adds on an eager CPU rank (0 where the cluster has no figure)."""
     return (hw.acc.dtensor_op_latency_s or 0.0) / hw.share
+
+
+def _checkpoint_seconds(arch: Any, counts: dict[str, Any], full: Any, selective: Any, hw: _Hardware) -> Any:
+    """Host time activation checkpointing adds per micro-batch on an eager CPU rank beyond its
+    ops: per region (a layer under full recompute, the attention core under selective) a fixed
+    cost plus one per tensor it saves (`perfmodel.eager.eager_saved_tensors`)."""
+    region = hw.acc.checkpoint_region_latency_s or 0.0
+    per_saved = hw.acc.checkpoint_saved_tensor_latency_s or 0.0
+    saved = eager_saved_tensors(arch)
+    layers = counts["attention"]
+    full_cost = layers * region + per_saved * sum(counts[b] * saved[b] for b in _LAYER_BLOCKS)
+    selective_cost = layers * (region + per_saved * EAGER_SAVED_CORE)
+    return np.where(full, full_cost, np.where(selective, selective_cost, 0.0)) / hw.share
 
 
 def _dtensor_mb_ops(arch: Any, lay: Any, counts: dict[str, Any], full: Any) -> Any:

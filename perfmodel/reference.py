@@ -417,6 +417,15 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Any, de
                 if full:
                     dt_mb += eager.EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR * sum(c[blk] * dt[blk][0] for blk in layer_blocks)
                 st["dispatch"] += dt_mb * dtensor_lat
+            acc = cluster.accelerator
+            region, per_saved = acc.checkpoint_region_latency_s or 0.0, acc.checkpoint_saved_tensor_latency_s or 0.0
+            if full:
+                ffn_saved = (15.0 if arch.gated_ffn else 11.0) * c["dense_ffn"] + (
+                    30.0 + (9.0 if arch.n_shared_experts > 0 else 0.0)
+                    - (9.0 if arch.n_shared_experts > 0 and not arch.gated_ffn else 0.0)) * c["moe"]
+                st["dispatch"] += (c["attention"] * region + per_saved * (23.0 * c["attention"] + ffn_saved)) / dev.share
+            elif selective:
+                st["dispatch"] += c["attention"] * (region + per_saved * 5.0) / dev.share
         else:                                # launches overlap device work; the excess shows
             st["dispatch"] = max(fwd_kernels * lat - fwd_device, 0.0) + max(bwd_kernels * lat - bwd_device, 0.0)
         st["t_mb"] = fwd_device + bwd_device + st["dispatch"]

@@ -79,6 +79,12 @@ class Accelerator:
     """Source of each figure above, by key."""
     hbm_usable_bytes: Optional[float] = None
     """Memory a job may allocate (None: hbm_bytes)."""
+    checkpoint_region_latency_s: Optional[float] = None
+    """Host time torch.utils.checkpoint adds per checkpointed region and micro-batch beyond its
+    ops (non-reentrant: hooks, RNG state, recompute set-up); priced on CPU clusters for
+    recompute (None: not priced). Measured by `mosaic calibrate` on cpu."""
+    checkpoint_saved_tensor_latency_s: Optional[float] = None
+    """Host time per tensor a checkpointed region saves (pack, recompute, unpack hooks)."""
     dtensor_op_latency_s: Optional[float] = None
     """Host time one DTensor op adds beyond the single-device ops (tensor parallel in eager
     PyTorch: sharding propagation, wrapping); priced on CPU clusters, whose ranks run the
@@ -96,11 +102,11 @@ class Accelerator:
               "must be in (0, hbm_bytes]", "lower it or leave it out")
         check(self.hbm_bandwidth_bytes_per_s > 0, "hbm_bandwidth_bytes_per_s", "must be > 0", "write e.g. 3.35e12")
         check(self.launch_latency_s >= 0, "launch_latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
-        check(self.dtensor_op_latency_s is None or (math.isfinite(self.dtensor_op_latency_s)
-                                                   and self.dtensor_op_latency_s >= 0),
-              "dtensor_op_latency_s", "must be >= 0 seconds", "write seconds, e.g. 6.0e-5, or leave it out")
-        check(self.dtensor_op_latency_s is None or "dtensor_op_latency_s" in self.sources, "sources",
-              "no source for dtensor_op_latency_s", "cite the measurement")
+        for key in ("dtensor_op_latency_s", "checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s"):
+            value = getattr(self, key)
+            check(value is None or (math.isfinite(value) and value >= 0), key, "must be >= 0 seconds",
+                  "write seconds, e.g. 6.0e-5, or leave it out")
+            check(value is None or key in self.sources, "sources", f"no source for {key}", "cite the measurement")
         check(len(self.compute_efficiency) > 0, "compute_efficiency", "is empty", "give a curve for bf16 (or fp32)")
         missing = [k for k in ("peak_flops_per_s", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "launch_latency_s")
                    if k not in self.sources]

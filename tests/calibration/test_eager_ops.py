@@ -9,7 +9,13 @@ import pytest
 
 pytest.importorskip("torch", reason="counting the trainer's ops needs torch")
 
-from calibration.eager_ops import count_trainer_ops, dtensor_op_seconds, eager_op_seconds  # noqa: E402
+from calibration.eager_ops import (  # noqa: E402
+    checkpoint_costs,
+    count_saved_tensors,
+    count_trainer_ops,
+    dtensor_op_seconds,
+    eager_op_seconds,
+)
 from perfmodel import eager  # noqa: E402
 from perfmodel.specs.architecture import MoEArchitecture  # noqa: E402
 
@@ -101,3 +107,25 @@ def test_model_expert_parallel_ops_equal_the_trainers(ep: int) -> None:
     assert spread["fwd_moe"] - one["fwd_moe"] == eager.EAGER_EP_OPS[0] * moe_layers
     assert spread["bwd_moe"] - one["bwd_moe"] == eager.EAGER_EP_OPS[1] * moe_layers
     assert {k: v for k, v in spread.items() if "moe" not in k} == {k: v for k, v in one.items() if "moe" not in k}
+
+
+@pytest.mark.parametrize("arch", [TINY, DENSE, dataclasses.replace(TINY, gated_ffn=False),
+                                  dataclasses.replace(TINY, n_shared_experts=0), dataclasses.replace(TINY, n_kv_heads=4)],
+                         ids=["tiny_moe", "dense", "ungated", "no_shared", "mha"])
+def test_model_saved_tensor_counts_equal_the_trainers(arch: MoEArchitecture) -> None:
+    counted = count_saved_tensors(arch)
+    saved = eager.eager_saved_tensors(arch)
+    dense_layers = arch.n_dense_layers if arch.n_experts else arch.n_layers
+    assert counted["attention"] == float(saved["attention"]) * arch.n_layers
+    assert counted["core"] == eager.EAGER_SAVED_CORE * arch.n_layers
+    assert counted["dense_ffn"] == float(saved["dense_ffn"]) * dense_layers
+    assert counted.get("moe", 0) == float(saved["moe"]) * (arch.n_layers - dense_layers)
+
+
+def test_checkpoint_costs_are_positive_host_times() -> None:
+    regions, per_saved, details = checkpoint_costs(samples=3)
+    assert details["saved"]["block"] > details["saved"]["core"] > 0
+    assert len(regions) == len(per_saved) == 3
+    region, saved = sorted(regions)[1], sorted(per_saved)[1]
+    # hooks, RNG state and recompute set-up cost host time; a region costs more than one of its tensors
+    assert 0 < region < 5e-3 and 0 <= saved < 1e-3 and region > saved

@@ -386,3 +386,19 @@ def test_eager_tensor_parallel_pays_dtensor_ops_only_on_cpu_ranks():
     assert evaluate(DENSE, no_tp, priced).step_time_s[0] == pytest.approx(evaluate(DENSE, no_tp, cpu).step_time_s[0])
     gpu = dataclasses.replace(priced, host_cores=None)  # GPUs: the host enqueues ahead, DTensor is not priced
     assert evaluate(DENSE, layout, gpu).step_time_s[0] == pytest.approx(evaluate(DENSE, layout, H100).step_time_s[0])
+
+
+def test_eager_recompute_pays_checkpoint_host_time_per_region_and_saved_tensor():
+    cpu = dataclasses.replace(H100, host_cores=16)
+    sources = {**cpu.accelerator.sources, "checkpoint_region_latency_s": "test", "checkpoint_saved_tensor_latency_s": "test"}
+    priced = dataclasses.replace(cpu, accelerator=dataclasses.replace(
+        cpu.accelerator, checkpoint_region_latency_s=2e-4, checkpoint_saved_tensor_latency_s=1e-5, sources=sources))
+    extra = {}
+    for mode in ("none", "selective", "full"):
+        layout = parse_layout(f"mbs=1,gbs=2,recompute={mode}", devices=1)
+        extra[mode] = evaluate(DENSE, layout, priced).breakdown["dispatch"][0] - evaluate(DENSE, layout, cpu).breakdown["dispatch"][0]
+    assert extra["none"] == 0
+    # two micro-batches, one region per layer each; a layer saves more tensors than its attention core
+    layers = DENSE.n_layers
+    assert extra["selective"] == pytest.approx(2 * layers * (2e-4 + 1e-5 * 5.0), rel=1e-9)
+    assert extra["full"] > extra["selective"]
