@@ -7,9 +7,10 @@ all_to_all_single and send/recv (each rank sends to the next and receives from
 the previous, as nccl-tests' sendrecv) over message sizes, for a group inside a
 node and, when the job spans nodes, a group with one rank per node. A repeat's
 time is the slowest rank's (max over the group), device-timed on cuda/npu. On cpu a
-repeat is a batch of back-to-back operations lasting about one trainer step
-(`CPU_REPEAT_SECONDS`), so the figure is the mean cost per operation that a
-synchronous gloo trainer pays, scheduler stalls included.
+repeat is a batch of operations lasting about one trainer step
+(`CPU_REPEAT_SECONDS`), so the figure is the mean cost per operation, scheduler
+stalls included; each point is timed back to back and with an eager compute gap
+before each operation (`CPU_GAP_BLOCKS`), as a synchronous gloo trainer issues it.
 Rank 0 appends each point to the CSV as soon as it is measured, so a run that
 dies or hangs keeps what it measured.
 
@@ -89,11 +90,49 @@ def ops_per_repeat(seconds_per_op: float, device_type: str) -> int:
     return int(min(256, max(1, round(CPU_REPEAT_SECONDS / max(seconds_per_op, 1e-7)))))
 
 
-def _time_repeat(op: Callable[[], object], inner: int, group: object, device: object) -> float:
-    """Seconds per operation of `inner` back-to-back calls after a barrier (device events on cuda/npu)."""
+CPU_GAP_BLOCKS = 2
+"""On cpu every point is timed twice: back to back, and with each collective after an eager
+compute gap (forward + backward of this many RMSNorm + SwiGLU blocks, calibration.eager_ops,
+~0.6 ms here: the compute a trainer runs between two collectives, 0.3-2 ms for the CPU
+trainer's tiny models), the gap's own time (measured alone in the same repeat) subtracted.
+A synchronous trainer's collective pays what a tight loop does not: the peer's gloo threads
+have gone to sleep and the ranks arrive apart (measured on the 2-core test machine, 2 ranks,
+2026-12-01: all-reduce alpha 0.72 ms back to back, 1.22 ms after compute; all-to-all 0.27 vs
+0.74 ms; in the trainer's own profile 1.1 ms per all-reduce). The alpha-beta fits use the
+back-to-back rows; the after-compute rows (impl suffixed AFTER_COMPUTE) give the fabric level's
+`sync_latency_s`, the extra per call (calibration.profile)."""
+AFTER_COMPUTE = "+after-compute"
+
+
+def cpu_gap() -> Callable[[], None]:
+    """The eager compute gap (see CPU_GAP_BLOCKS)."""
+    import torch
+
+    from calibration.eager_ops import EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, _Block, _stack_step
+
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[_Block(EAGER_BLOCK_WIDTH) for _ in range(CPU_GAP_BLOCKS)])
+    return _stack_step(blocks, torch.randn(EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, requires_grad=True))
+
+
+def _time_repeat(op: Callable[[], object], inner: int, group: object, device: object,
+                 gap: Optional[Callable[[], None]] = None) -> float:
+    """Seconds per operation of `inner` back-to-back calls after a barrier (device events on cuda/npu);
+    with `gap` (cpu), each call follows the gap and the gap's own time (timed alone) is subtracted."""
     import torch
     import torch.distributed as dist
 
+    if gap is not None:
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            gap()
+        gap_s = (time.perf_counter() - t0) / inner
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            gap()
+            op()
+        return max((time.perf_counter() - t0) / inner - gap_s, 1e-9)
     dist.barrier(group=group)
     if device.type != "cpu":  # type: ignore[attr-defined]
         backend = getattr(torch, device.type)  # type: ignore[attr-defined]
@@ -201,33 +240,37 @@ def worker(out: Path, device_kind: str, quick: bool, level_names: list[str], lev
             ops = [_make_op(collective, size // elem, my_members, rank, mine, device, dtype) for size in sizes]
             warmup, repeats = repeats_for(quick, device.type)
             per_op = torch.zeros(len(sizes), dtype=torch.float64)
+            gap = cpu_gap() if device.type == "cpu" else None
             for j, op in enumerate(ops):
                 for _ in range(warmup):
                     op()
-                if device.type == "cpu":
-                    per_op[j] = _time_repeat(op, warmup, mine, device)
+                if gap is not None:  # batch sizes from a gap + operation pair
+                    per_op[j] = _time_repeat(op, warmup, mine, device) + _time_repeat(gap, 1, mine, device)
             synchronize(device)
             if device.type == "cpu":  # every rank of the group must run the same batch sizes
                 dist.all_reduce(per_op, op=dist.ReduceOp.MAX, group=mine)
             inners = [ops_per_repeat(float(t), device.type) for t in per_op]
-            times = torch.zeros(len(sizes), repeats, dtype=torch.float64)
+            variants = [(impl, None)] + ([(impl + AFTER_COMPUTE, gap)] if gap is not None else [])
+            times = torch.zeros(len(variants), len(sizes), repeats, dtype=torch.float64)
             # Rounds interleave the sizes, so a burst of foreign load slows every size a
             # little instead of one size a lot (the alpha-beta line stays consistent).
             for i in range(repeats):
                 for j, (op, inner) in enumerate(zip(ops, inners)):
-                    times[j, i] = _time_repeat(op, inner, mine, device)
+                    for v, (_, before) in enumerate(variants):
+                        times[v, j, i] = _time_repeat(op, inner, mine, device, before)
             slowest = times.to(device=device, dtype=torch.float32 if device.type != "cpu" else torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=mine)  # a repeat ends when its slowest rank does
             points_done += len(sizes)
             if rank != 0:
                 continue
             new_rows = []
-            for j, size in enumerate(sizes):
-                stats = summarize(slowest[j].double().cpu().tolist())
-                algbw = size / stats.median_s
-                new_rows.append(Measurement.from_stats(
-                    collective, device_kind, precision, {"ranks": n, "bytes": size}, 0.0, size, stats,
-                    level=spec.level, ranks=n, impl=impl, busbw_bytes_per_s=algbw * bus_factor(collective, n)))
+            for v, (variant_impl, _) in enumerate(variants):
+                for j, size in enumerate(sizes):
+                    stats = summarize(slowest[v, j].double().cpu().tolist())
+                    algbw = size / stats.median_s
+                    new_rows.append(Measurement.from_stats(
+                        collective, device_kind, precision, {"ranks": n, "bytes": size}, 0.0, size, stats,
+                        level=spec.level, ranks=n, impl=variant_impl, busbw_bytes_per_s=algbw * bus_factor(collective, n)))
             rows.extend(new_rows)
             with out.open("a") as handle:
                 handle.write(to_csv_text(new_rows).split("\n", 1)[1])

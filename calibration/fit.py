@@ -107,7 +107,8 @@ def fit_alpha_beta(rows: Sequence[Measurement]) -> AlphaBetaFit:
 
 
 def fit_collectives(rows: Sequence[Measurement]) -> list[AlphaBetaFit]:
-    """One alpha-beta fit per (collective, level, ranks) that has two or more sizes."""
+    """One alpha-beta fit per (collective, level, ranks) that has two or more sizes (rows of one
+    timing variant: see calibration.collectives.AFTER_COMPUTE)."""
     groups: dict[tuple[str, str, int], list[Measurement]] = {}
     for row in rows:
         groups.setdefault((row.kind, row.level, row.ranks), []).append(row)

@@ -9,8 +9,8 @@ runs, carry allocation and first-call costs). Predictions come from
 
   efficiency_scale   multiplies the compute and memory efficiency curves (clipped to 1)
   launch_latency_s   host dispatch time per kernel
-  collective_latency_scale  multiplies every fabric level's per-step latency (alpha): what a
-                     synchronous job pays per collective beyond its bytes (wake-ups, skew)
+  collective_latency_scale  multiplies every fabric level's latencies (per step and per call):
+                     what a synchronous job pays per collective beyond its bytes
   overlap            fraction of EP and DP communication that hides behind compute
   straggler_cv       per-node step-time variation (only visible across nodes)
 
@@ -138,7 +138,9 @@ def apply_factors(cluster: ClusterSpec, factors: dict[str, float]) -> ClusterSpe
     changes["accelerator"] = acc
     if "collective_latency_scale" in factors:
         s_lat = factors["collective_latency_scale"]
-        changes["levels"] = tuple(dataclasses.replace(level, latency_s=level.latency_s * s_lat) for level in cluster.levels)
+        changes["levels"] = tuple(dataclasses.replace(level, latency_s=level.latency_s * s_lat,
+                                                      sync_latency_s=level.sync_latency_s * s_lat)
+                                  for level in cluster.levels)
     if "overlap" in factors:
         changes["overlap"] = dataclasses.replace(cluster.overlap, ep=factors["overlap"], dp=factors["overlap"])
     if "straggler_cv" in factors:
@@ -290,6 +292,8 @@ def _write(cluster: str, factors: dict[str, float], names: list[str], section: d
         s_lat = factors["collective_latency_scale"]
         for level in data["levels"]:
             level["latency_s"] = float(f"{float(level['latency_s']) * s_lat:.4g}")
+            if "sync_latency_s" in level:
+                level["sync_latency_s"] = float(f"{float(level['sync_latency_s']) * s_lat:.4g}")
             level["source"] = f"{level.get('source', '')}; latency scaled by {s_lat:.4g} {stamp}".lstrip("; ")
     if "overlap" in names:
         overlap = data.setdefault("overlap", {})

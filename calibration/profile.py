@@ -22,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import yaml
 
+from calibration.collectives import AFTER_COMPUTE
 from calibration.fit import (
     AlphaBetaFit,
     CurveFit,
@@ -92,6 +93,8 @@ class Calibration:
     checkpoint_region_latency_s: Optional[float]
     checkpoint_saved_tensor_latency_s: Optional[float]
     collectives: list[AlphaBetaFit]
+    collectives_after_compute: list[AlphaBetaFit]
+    """The same collectives timed after an eager compute gap (cpu; empty elsewhere)."""
     grouped_gemm: Optional[dict[str, Any]]
     attention: Optional[dict[str, Any]]
     noise_median: float
@@ -144,7 +147,9 @@ def fit_all(rows: Sequence[Measurement], peaks: Optional[dict[str, float]] = Non
         dtensor_op_latency_s=float(np.median([r.median_s for r in dtensor])) if dtensor else None,
         checkpoint_region_latency_s=_median_of(rows, "checkpoint_region"),
         checkpoint_saved_tensor_latency_s=_median_of(rows, "checkpoint_saved_tensor"),
-        collectives=fit_collectives([r for r in rows if r.kind in COLLECTIVE_KINDS]),
+        collectives=fit_collectives([r for r in rows if r.kind in COLLECTIVE_KINDS and not r.impl.endswith(AFTER_COMPUTE)]),
+        collectives_after_compute=fit_collectives([r for r in rows if r.kind in COLLECTIVE_KINDS
+                                                   and r.impl.endswith(AFTER_COMPUTE)]),
         grouped_gemm=versus_dense(grouped), attention=versus_dense(attention),
         noise_median=float(np.median(noises)), noise_p90=float(np.percentile(noises, 90)),
     )
@@ -163,7 +168,18 @@ def latency_steps(collective: str, ranks: int) -> float:
     return 2.0 * depth if collective == "all_reduce" else depth
 
 
-def level_figures(fits: Sequence[AlphaBetaFit], datasheet_bw: Optional[float]) -> dict[str, Any]:
+def sync_latency(fits: Sequence[AlphaBetaFit], after_compute: Sequence[AlphaBetaFit]) -> Optional[float]:
+    """Extra seconds per collective call issued between computations (perfmodel.comm's
+    `sync_latency_s`): the median over collectives of alpha after a compute gap minus alpha back
+    to back (floored at 0); None without after-compute fits."""
+    tight = {(f.collective, f.ranks): f.alpha_s for f in fits}
+    extra = [f.alpha_s - tight[(f.collective, f.ranks)] for f in after_compute
+             if (f.collective, f.ranks) in tight and f.collective != "p2p"]  # p2p pays none (perfmodel.comm)
+    return max(float(np.median(extra)), 0.0) if extra else None
+
+
+def level_figures(fits: Sequence[AlphaBetaFit], datasheet_bw: Optional[float],
+                  after_compute: Sequence[AlphaBetaFit] = ()) -> dict[str, Any]:
     """FabricLevel fields from one level's alpha-beta fits.
 
     Bandwidth: the datasheet wire figure when given and not exceeded, else the
@@ -173,20 +189,26 @@ def level_figures(fits: Sequence[AlphaBetaFit], datasheet_bw: Optional[float]) -
     measured busbw); the level's default efficiency is all-reduce's. Latency:
     perfmodel.comm charges latency_s per tree step (ceil(log2 n) steps per
     phase, two phases for all-reduce, one hop for p2p), so each fitted alpha is
-    divided by its step count and the median over collectives is kept.
+    divided by its step count and the median over collectives is kept. With fits of
+    the same collectives timed after a compute gap (cpu), `sync_latency_s` is what each
+    call costs beyond that (`sync_latency`).
     """
     best = max(f.busbw_bytes_per_s for f in fits)
     bandwidth = datasheet_bw if datasheet_bw is not None and best <= datasheet_bw else best
     per = {f.collective: float(f"{min(1.0, max(MIN_FRACTION, f.busbw_bytes_per_s / bandwidth)):.4g}") for f in fits}
     default = per.get("all_reduce", max(per.values()))
     per_step = [f.alpha_s / latency_steps(f.collective, f.ranks) for f in fits]
-    return {
+    out = {
         "bandwidth_bytes_per_s": float(f"{bandwidth:.6g}"),
         "latency_s": float(f"{float(np.median(per_step)):.4g}"),
         "efficiency": default,
         "collective_efficiency": per,
         "bandwidth_from": "datasheet" if bandwidth == datasheet_bw else "measured",
     }
+    sync = sync_latency(fits, after_compute)
+    if sync is not None:
+        out["sync_latency_s"] = float(f"{sync:.4g}")
+    return out
 
 
 def calibrated_mapping(base: str, rows: Sequence[Measurement], provenance: Provenance, csv_name: str) -> dict[str, Any]:
@@ -270,7 +292,7 @@ def calibrated_mapping(base: str, rows: Sequence[Measurement], provenance: Prove
                                  f"({', '.join(names)}); calibrate against the cluster the job ran on")
             entry = data["levels"][names.index(level)]
             wire = None if cpu else float(entry["bandwidth_bytes_per_s"])
-            figures = level_figures(fits, wire)
+            figures = level_figures(fits, wire, [f for f in cal.collectives_after_compute if f.level == level])
             bandwidth_from = figures.pop("bandwidth_from")
             old_source = entry.get("source", "")
             entry.update(figures)
@@ -282,6 +304,10 @@ def calibrated_mapping(base: str, rows: Sequence[Measurement], provenance: Prove
             "alpha_se_s": float(f"{f.alpha_se_s:.3g}"), "algbw_bytes_per_s": float(f"{f.algbw_bytes_per_s:.4g}"),
             "busbw_bytes_per_s": float(f"{f.busbw_bytes_per_s:.4g}"), "beta_rel_se": round(f.beta_rel_se, 4),
             "r2": round(f.r2, 4), "r2_linear": round(f.r2_linear, 4), "points": f.points} for f in cal.collectives]
+        if cal.collectives_after_compute:
+            section["collectives_after_compute"] = [{
+                "collective": f.collective, "level": f.level, "ranks": f.ranks, "alpha_s": float(f"{f.alpha_s:.4g}"),
+                "alpha_se_s": float(f"{f.alpha_se_s:.3g}"), "r2": round(f.r2, 4)} for f in cal.collectives_after_compute]
         section["levels_calibrated"] = sorted(by_level)
     data["name"] = f"{base_spec.name}_calibrated"
     data["description"] = f"{base_spec.description.strip()} Calibrated by mosaic calibrate on {provenance.host}, {provenance.date}."

@@ -23,7 +23,11 @@ alpha-beta as in Galvatron/SimAI/llm-analysis):
   phases for all-reduce, one hop for p2p. A step at an outer level is
   charged at least the largest alpha of the levels inside it (its message
   also crosses them), so spreading a group over more levels never makes it
-  cheaper.
+  cheaper. Each call also pays once the largest `sync_latency_s` of the
+  levels it spans (0 for NCCL/HCCL; on gloo the wake-up and rank skew of a
+  collective issued between computations, calibrated on cpu); p2p does not:
+  a pipeline posts its sends and receives ahead, and its waiting is the
+  schedule's (bubble).
   Check against a measurement: 4 nodes x 8 B200, 4 GiB all-reduce, NVLink
   900 GB/s x 0.82 and NIC 50 GB/s x 0.74 gives busbw 0.38 TB/s; measured
   0.377-0.382 (hardware.md section 4, [S-net]).
@@ -107,6 +111,7 @@ def collective_coefficients(cluster: Any, kind: str, n: Any, stride: Any, levels
     if not np.any(n > 1.0):
         return slope, latency
     levels = group_levels(cluster, n, stride) if levels is None else levels
+    sync = np.zeros(shape)  # once per call: the outermost spanned level's (FabricLevel.sync_latency_s)
     for level, (c_prev, c, fan, log_steps, alpha) in zip(cluster.levels, levels):
         if kind == "all_reduce":
             per_byte = 2.0 * (fan - 1.0) / fan / c_prev
@@ -122,7 +127,9 @@ def collective_coefficients(cluster: Any, kind: str, n: Any, stride: Any, levels
             steps = per_byte
         slope = np.maximum(slope, per_byte / (level.bandwidth_bytes_per_s * level.efficiency_of(kind)))
         latency = latency + steps * alpha
-    return slope, latency
+        if kind != "p2p":  # a pipeline posts its sends/receives ahead; its waiting is the schedule's
+            sync = np.maximum(sync, np.where(c > c_prev, level.sync_latency_s, 0.0))
+    return slope, latency + sync
 
 
 def collective_time(cluster: Any, kind: str, size_bytes: Any, n: Any, stride: Any,

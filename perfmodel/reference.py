@@ -107,7 +107,7 @@ def collective_seconds(cluster: Any, kind: str, nbytes: float, n: float, stride:
     n, stride = max(n, 1.0), max(stride, 1.0)
     if n <= 1 or nbytes <= 0:
         return 0.0
-    worst, latency, inside_prev, alpha = 0.0, 0.0, 1.0, 0.0
+    worst, latency, inside_prev, alpha, sync = 0.0, 0.0, 1.0, 0.0, 0.0
     for j, level in enumerate(cluster.levels):
         alpha = max(alpha, level.latency_s)
         if j == len(cluster.levels) - 1:
@@ -125,8 +125,10 @@ def collective_seconds(cluster: Any, kind: str, nbytes: float, n: float, stride:
             moved, steps = (nbytes, 1.0) if fan > 1 else (0.0, 0.0)
         worst = max(worst, moved / (level.bandwidth_bytes_per_s * level.efficiency_of(kind)))
         latency += steps * alpha
+        if inside > inside_prev and kind != "p2p":
+            sync = max(sync, level.sync_latency_s)
         inside_prev = inside
-    return worst + latency
+    return worst + latency + sync
 
 
 def _gemm(name: str, kind: str, m: float, k: float, n: float, b_in: float, b_out: float, groups: float = 1.0

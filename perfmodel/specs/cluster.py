@@ -149,9 +149,15 @@ class FabricLevel:
     """Where the figures come from."""
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     """... unless overridden here per collective (all_reduce, all_gather, reduce_scatter, all_to_all, p2p)."""
+    sync_latency_s: float = 0.0
+    """Fixed cost per blocking collective call issued between computations, beyond latency_s
+    per step: the peers' waiting threads wake up and the ranks arrive apart. 0 where collectives
+    queue on device streams (NCCL, HCCL); measured by `mosaic calibrate` on cpu (gloo)."""
 
     def __post_init__(self) -> None:
         check(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}", "give the group size")
+        check(math.isfinite(self.sync_latency_s) and self.sync_latency_s >= 0, "sync_latency_s", "must be >= 0",
+              "write seconds, e.g. 5.0e-4, or leave it out (0)")
         check(self.bandwidth_bytes_per_s > 0, "bandwidth_bytes_per_s", "must be > 0", "write bytes/s, e.g. 450.0e9")
         check(self.latency_s >= 0, "latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
         check(0 < self.efficiency <= 1, "efficiency", f"must be in (0, 1], got {self.efficiency}", "use a fraction")

@@ -48,10 +48,12 @@ def test_fitted_figures_are_sane(calibrated, rows):
     fits = calibrated.calibration["collectives"]
     assert {f["collective"] for f in fits} == set(COLLECTIVES)
     # alpha-beta describes loopback gloo: the sizes span 4 KiB..16 MiB (three decades of time);
-    # the small ones carry the scheduler stalls a trainer pays (batched means), so single fits
-    # scatter more than the set does
+    # the small ones carry the scheduler stalls a trainer pays (batched means), so the fit of log
+    # time scatters more than the fit of time
     r2 = sorted(fit["r2"] for fit in fits)
-    assert r2[len(r2) // 2] > 0.9 and r2[0] > 0.7, fits
+    assert r2[len(r2) // 2] > 0.8 and all(fit["r2_linear"] > 0.9 for fit in fits), fits
+    assert calibrated.calibration["collectives_after_compute"]  # the same collectives after an eager compute gap
+    assert host.sync_latency_s >= 0
     for fit in fits:
         assert fit["busbw_bytes_per_s"] > 0 and fit["alpha_s"] >= 0
     for row in rows:
