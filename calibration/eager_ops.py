@@ -264,9 +264,7 @@ def eager_op_step(width: int = EAGER_BLOCK_WIDTH, tokens: int = EAGER_BLOCK_TOKE
     ops = sum(counter.counts.values())
     for _ in range(3):
         step()
-    t0 = time.perf_counter()
-    step()
-    reps = max(1, round(SAMPLE_SECONDS / max(time.perf_counter() - t0, 1e-6)))
+    reps = _reps_per_sample(step)
 
     def sample() -> None:
         for _ in range(reps):
@@ -307,9 +305,7 @@ def dtensor_op_samples(samples: int = 15, width: int = EAGER_BLOCK_WIDTH,
         for _ in range(3):
             plain_step()
             sharded_step()
-        t0 = time.perf_counter()
-        sharded_step()
-        reps = max(1, round(SAMPLE_SECONDS / max(time.perf_counter() - t0, 1e-6)))
+        reps = _reps_per_sample(sharded_step)
 
         out = []
         for _ in range(samples):
@@ -324,6 +320,13 @@ def dtensor_op_seconds(samples: int = 15) -> tuple[float, float, int]:
     values, ops = dtensor_op_samples(samples)
     stats = summarize([max(v, 1e-9) for v in values])
     return float(stats.median_s), float(stats.iqr_s / stats.median_s), ops
+
+
+def _reps_per_sample(step: Any) -> int:
+    """Calls of `step` that last about SAMPLE_SECONDS (from one timed call)."""
+    t0 = time.perf_counter()
+    step()
+    return max(1, round(SAMPLE_SECONDS / max(time.perf_counter() - t0, 1e-6)))
 
 
 def _timed(step: Any, reps: int) -> float:
@@ -400,9 +403,7 @@ def checkpoint_costs(samples: int = 9) -> tuple[list[float], list[float], dict[s
             ops[key] = sum(counter.counts.values())
             for _ in range(3):
                 step()
-        t0 = time.perf_counter()
-        ck()
-        reps = max(1, round(SAMPLE_SECONDS / max(time.perf_counter() - t0, 1e-6)))
+        reps = _reps_per_sample(ck)
 
         values = []
         for _ in range(samples):
