@@ -6,6 +6,7 @@ last lines; the error figures themselves are the benchmark's business (docs/vali
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +19,9 @@ import pytest
 pytest.importorskip("torch", reason="the fidelity benchmark trains with the bundled trainer (extra `train`)")
 
 REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("fidelity", REPO / "benchmarks" / "fidelity.py")
+fidelity = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fidelity)
 
 
 def test_reduced_fidelity_run_writes_json_png_and_last_lines(tmp_path: Path) -> None:
@@ -50,9 +54,12 @@ def test_reduced_fidelity_run_writes_json_png_and_last_lines(tmp_path: Path) -> 
     samples = result["launch_latency_s"]["interleaved_samples"]
     assert len(samples) == 5 and all(s > 0 for s in samples)
     assert result["launch_latency_s"]["used"] == pytest.approx(sorted(samples)[2], rel=1e-3)
-    # two rounds of 3 steps pooled into one run folder, steps numbered on
+    # two rounds of 3 steps pooled into one run folder, the second without its warm-up steps,
+    # steps numbered on
     metrics = (tmp_path / "fidelity_cpu" / "runs" / "moe_1r_mbs2" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4, 5, 6]
+    kept = 3 + (3 - fidelity.ROUND_WARMUP_STEPS)
+    assert [json.loads(line)["step"] for line in metrics] == list(range(1, kept + 1))
+    assert [json.loads(line).get("round", 0) for line in metrics] == [0] * 3 + [1] * (kept - 3)
     assert not list((tmp_path / "fidelity_cpu" / "runs").glob("*.round*"))
     assert len(result["load_average_before"]) == 3
 
