@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from calibration.kernels import (
+    COLD_MAX_COPIES,
+    COLD_SPAN_BYTES,
     KernelPoint,
+    _cold_operand_copies,
+    _gemm_fn,
     expert_token_counts,
     grouped_impl,
     grouped_mm_bmm,
@@ -44,6 +48,29 @@ def test_grouped_gemm_paths_agree_with_the_reference():
         torch.testing.assert_close(fast, reference.float(), rtol=1e-4, atol=1e-4)
     else:
         assert "fallback" in why
+
+
+@pytest.mark.parametrize(("M", "N", "K", "dtype"), [(16, 16, 16, torch.float32), (96, 80, 64, torch.bfloat16),
+                                                    (1024, 1024, 1024, torch.float32)])
+def test_cpu_gemm_operands_are_spread_so_each_call_is_cold(M, N, K, dtype):
+    copies = _cold_operand_copies(M, N, K, dtype, torch.device("cpu"))
+    assert 2 <= len(copies) <= COLD_MAX_COPIES
+    starts = sorted(a.data_ptr() for a, _, _ in copies)
+    assert len(set(starts)) == len(copies)  # distinct memory, never the same copy twice in a cycle
+    gaps = np.diff(starts)
+    set_bytes = (M * K + K * N + M * N) * dtype.itemsize
+    assert gaps.min() >= set_bytes  # copies do not overlap
+    assert (starts[-1] - starts[0]) + set_bytes >= min(COLD_SPAN_BYTES, COLD_MAX_COPIES * set_bytes) * 0.99
+    a, b, out = copies[1]
+    assert a.shape == (M, K) and b.shape == (K, N) and out.shape == (M, N)
+    assert out.data_ptr() >= b.data_ptr() + b.numel() * dtype.itemsize  # out does not alias an input
+
+
+def test_cpu_gemm_call_cycles_through_its_copies():
+    call = _gemm_fn(KernelPoint("gemm", "fp32", {"M": 8, "N": 4, "K": 6}), torch.device("cpu"))
+    first, second = call(), call()
+    assert first.data_ptr() != second.data_ptr()  # the next call used the next copy
+    assert first.shape == (8, 4) and torch.isfinite(first).all()
 
 
 def test_plan_covers_every_kernel_kind_and_points_time_positive():
