@@ -17,9 +17,14 @@ runs, carry allocation and first-call costs). Predictions come from
 Only the factors that move the predictions of these runs are fitted (a factor
 whose whole range changes no prediction by 0.1% is left alone and reported as
 such), at most one fewer than the runs. Least squares on log(predicted /
-measured) (scipy.optimize.least_squares, bounded); the step-time MAPE is
-reported before, after (in sample), and leave-one-run-out (each run predicted
-by factors fitted without it: the honest figure for a new run).
+measured) (scipy.optimize.least_squares, bounded), then the same with a
+Gaussian prior that keeps each factor near its calibrated value (maximum a
+posteriori; PRIOR_LOG_SD): a dozen runs rarely pin four factors apart (a
+dispatch-bound set says little about compute), and without the prior a run
+unlike the others is predicted by factors that drifted where no run checked
+them. The step-time MAPE is reported before, after (in sample), and
+leave-one-run-out (each run predicted by factors fitted without it: the
+honest figure for a new run).
 """
 
 from __future__ import annotations
@@ -53,6 +58,12 @@ max(device time, kernels x latency)), so a local fit from the datasheet values c
 best few grid points (plus the current values) start the fits and the best result is kept."""
 LOG_FACTORS = {"efficiency_scale": 1e-3, "launch_latency_s": 1e-7, "collective_latency_scale": 0.1}
 """Scale factors fitted as log10 (value floored here): they span decades."""
+PRIOR_LOG_SD = math.log(2.0)
+"""Prior on a scale factor (LOG_FACTORS): the calibrated value is right to a factor of 2 at one
+standard deviation (a calibration's own spread between runs on a busy host is 1.1-1.5x, see
+docs/validation.md). Fraction factors (overlap, straggler_cv) get half their range."""
+RUN_LOG_SD_FLOOR = 0.005
+"""Smallest residual scale assumed for the runs (0.5%: a median of steps is not more exact)."""
 STARTS = 3
 SENSITIVITY = 1e-3
 """A factor is fitted only if moving it across its range changes some prediction by more than 0.1%."""
@@ -185,7 +196,9 @@ def fit_factors(cluster: ClusterSpec, runs: list[Run], names: list[str], start: 
     """Least squares on log(predicted / measured) over `names`, the others held at `start`.
 
     Scale factors (LOG_FACTORS) are searched as log10 values; multi-start from
-    the best grid points (GRID) and the current values.
+    the best grid points (GRID) and the current values. The best fit then starts a
+    maximum a posteriori fit: each factor's departure from `start`, over prior_sd, weighed
+    against the runs' residual scale (estimated from that fit).
     """
     import itertools
 
@@ -217,7 +230,23 @@ def fit_factors(cluster: ClusterSpec, runs: list[Run], names: list[str], start: 
         if best is None or result.cost < best.cost:
             best = result
     assert best is not None
-    return {**start, **{n: from_u(n, u) for n, u in zip(names, best.x)}}
+    # MAP step: the runs' residual scale (in-sample, for the fitted degrees of freedom) against the prior.
+    run_log_sd = max(math.sqrt(2.0 * best.cost / max(len(runs) - len(names), 1)), RUN_LOG_SD_FLOOR)
+    natural = np.array([math.log(10.0) if n in LOG_FACTORS else 1.0 for n in names])
+    centre = np.array([to_u(n, start[n]) for n in names]) * natural
+    weight = run_log_sd / np.array([prior_sd(n) for n in names])
+
+    def posterior(u: np.ndarray) -> np.ndarray:
+        return np.concatenate([residuals(u), weight * (u * natural - centre)])
+
+    result = least_squares(posterior, np.clip(best.x, lower, upper), bounds=(lower, upper),
+                           x_scale=np.maximum(upper - lower, 1e-9), diff_step=1e-3, method="trf")
+    return {**start, **{n: from_u(n, u) for n, u in zip(names, result.x)}}
+
+
+def prior_sd(name: str) -> float:
+    """Prior standard deviation of a factor, in its fitted unit (natural log for scale factors)."""
+    return PRIOR_LOG_SD if name in LOG_FACTORS else 0.5 * (BOUNDS[name][1] - BOUNDS[name][0])
 
 
 @dataclass(frozen=True)
@@ -266,7 +295,8 @@ def refit_from_runs(runs_dir: Path, cluster: str, output: Path) -> FromRunsResul
                "runs_dir": str(runs_dir), "runs": len(runs), "fitted": {n: _sig(factors[n]) for n in names},
                "fixed": fixed, "start": {n: _sig(v) for n, v in start.items()},
                "mape": {k: round(v, 4) for k, v in scores.items()}, "per_run": table,
-               "method": "scipy.optimize.least_squares on log(predicted/measured) step time; leave-one-run-out CV"}
+               "method": ("scipy.optimize.least_squares on log(predicted/measured) step time, then with a Gaussian prior "
+                          f"around the calibrated factors (scale factors: sd ln {math.exp(PRIOR_LOG_SD):g}); leave-one-run-out CV")}
     if mismatched:
         section["note"] = f"runs recorded cluster(s) {', '.join(mismatched)}; refitted against {spec.name}"
     data = _write(cluster, factors, names, section, output)
@@ -320,5 +350,5 @@ def _sig(value: float) -> float:
     return float(f"{float(value):.5g}")
 
 
-__all__ = ["FACTORS", "FromRunsResult", "Run", "apply_factors", "discover_runs", "fit_factors", "identifiable", "initial_factors",
-           "load_run", "predict", "refit_from_runs"]
+__all__ = ["FACTORS", "PRIOR_LOG_SD", "FromRunsResult", "Run", "apply_factors", "discover_runs", "fit_factors", "identifiable", "initial_factors",
+           "load_run", "predict", "prior_sd", "refit_from_runs"]

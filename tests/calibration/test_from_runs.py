@@ -41,6 +41,18 @@ def _write_run(folder, layout, world, step_time_s, rng, steps=6):
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
+def _write_runs(folder, layouts, step_times, rng):
+    """Runs of `layouts` whose step times are `step_times(runs)` (the runs read back from placeholders)."""
+    for i, (layout, world) in enumerate(layouts):
+        _write_run(folder / f"r{i}", layout, world, 1.0, rng)
+    times = step_times(discover_runs(folder))
+    for i, (layout, world) in enumerate(layouts):
+        for path in (folder / f"r{i}").iterdir():
+            path.unlink()
+        (folder / f"r{i}").rmdir()
+        _write_run(folder / f"r{i}", layout, world, float(times[i]), rng)
+
+
 @pytest.fixture(scope="module")
 def synthetic_runs(tmp_path_factory):
     """Runs whose step times are the model's own predictions with known factors (plus 1% noise)."""
@@ -49,16 +61,7 @@ def synthetic_runs(tmp_path_factory):
     # launch latency: the eager op counts (perfmodel.eager) are ~10x the fused-kernel counts, so 20 us per op
     # keeps dispatch and compute both visible in these runs (both factors identifiable)
     truth = {**initial_factors(cluster), "efficiency_scale": 0.05, "launch_latency_s": 2.0e-5}
-    rng = np.random.default_rng(0)
-    for i, (layout, world) in enumerate(LAYOUTS):
-        _write_run(folder / f"r{i}", layout, world, 1.0, rng)  # placeholder times, replaced below
-    runs = discover_runs(folder)
-    times = predict(cluster, runs, truth)
-    for i, (layout, world) in enumerate(LAYOUTS):
-        for path in (folder / f"r{i}").iterdir():
-            path.unlink()
-        (folder / f"r{i}").rmdir()
-        _write_run(folder / f"r{i}", layout, world, float(times[i]), rng)
+    _write_runs(folder, LAYOUTS, lambda runs: predict(cluster, runs, truth), np.random.default_rng(0))
     return folder, truth
 
 
@@ -124,3 +127,27 @@ def test_bad_runs_are_input_errors(tmp_path):
     (bad / "metrics.jsonl").write_text('{"step": 1, "step_time_s": -1.0}\n')
     with pytest.raises(InputError, match="step_time_s"):
         discover_runs(tmp_path)
+
+
+def test_prior_keeps_weakly_determined_factors_near_their_calibrated_values(tmp_path, monkeypatch):
+    """Runs that agree with the calibrated cluster up to 15% noise: the MAP fit moves the factors
+    less than plain least squares does (which chases the noise), and no factor leaves its bounds."""
+    import calibration.from_runs as from_runs
+
+    cluster = load_cluster(base_cluster())
+    start = initial_factors(cluster)
+    rng = np.random.default_rng(3)
+    _write_runs(tmp_path, LAYOUTS[:4],
+                lambda runs: predict(cluster, runs, start) * np.exp(0.15 * rng.standard_normal(len(runs))), rng)
+    runs = discover_runs(tmp_path)
+    names = ["efficiency_scale", "launch_latency_s"]
+    with_prior = from_runs.fit_factors(cluster, runs, names, start)
+    monkeypatch.setattr(from_runs, "PRIOR_LOG_SD", 1e9)  # no prior: plain least squares
+    plain = from_runs.fit_factors(cluster, runs, names, start)
+
+    def departure(factors):
+        return sum(abs(np.log(factors[n] / start[n])) for n in names)
+
+    assert departure(plain) > 0.05  # the noise does move an unconstrained fit
+    assert departure(with_prior) < departure(plain)
+    assert all(from_runs.BOUNDS[n][0] <= with_prior[n] <= from_runs.BOUNDS[n][1] for n in names)
