@@ -112,13 +112,13 @@ def gemm_shapes(device: torch.device, quick: bool) -> list[tuple[int, int, int]]
 def kernel_plan(device: torch.device, quick: bool, precisions: list[str]) -> list[KernelPoint]:
     """Every kernel point to time on `device`, cheapest first within each kind."""
     points: list[KernelPoint] = []
-    main = main_precision(precisions)
+    cpu = device.type == "cpu"
+    main = "fp32" if cpu else main_precision(precisions)  # the bundled trainer computes in fp32 on cpu
     for precision in precisions:
         for M, N, K in gemm_shapes(device, quick):
             if precision == "fp8" and (M % 16 or N % 16 or K % 16):
                 continue
             points.append(KernelPoint("gemm", precision, {"M": M, "N": N, "K": K}))
-    cpu = device.type == "cpu"
     experts = [4, 8] if cpu else ([8, 64] if quick else [8, 32, 128])
     tokens = [32, 128, 512] if cpu else ([128, 1024] if quick else [64, 256, 1024, 4096])
     hidden, width = (256, 256) if cpu else (2048, 1408)
@@ -126,13 +126,13 @@ def kernel_plan(device: torch.device, quick: bool, precisions: list[str]) -> lis
         for t in tokens:
             for imbalance in (1.0, 2.0):
                 points.append(KernelPoint("grouped_gemm", main, {"E": e, "T": t, "K": hidden, "N": width, "imbalance": imbalance}))
-    seqs = [128, 256, 512] if cpu else ([1024, 4096] if quick else [512, 1024, 2048, 4096, 8192])
-    heads = [4] if cpu else [16, 32]
-    head_dims = [64] if cpu else ([128] if quick else [64, 128])
-    for s in seqs:
-        for h in heads:
-            for d in head_dims:
-                points.append(KernelPoint("sdpa", main, {"B": 1, "H": h, "S": s, "D": d}))
+    if cpu:  # (B, H, S, D) from the tiny models the bundled trainer runs on cpu up to S=512
+        attention = [(2, 4, 32, 16), (2, 4, 64, 32), (1, 4, 128, 64), (1, 4, 256, 64), (1, 4, 512, 64)]
+    else:
+        seqs = [1024, 4096] if quick else [512, 1024, 2048, 4096, 8192]
+        attention = [(1, h, s, d) for s in seqs for h in (16, 32) for d in ([128] if quick else [64, 128])]
+    for b, h, s, d in attention:
+        points.append(KernelPoint("sdpa", main, {"B": b, "H": h, "S": s, "D": d}))
     buffers = [2**k for k in range(14, 27, 2)] if cpu else [2**k for k in range(16, 31, 2)]
     if quick:
         buffers = buffers[::2] + ([buffers[-1]] if len(buffers) % 2 == 0 else [])

@@ -279,6 +279,12 @@ def calibrated_mapping(base: str, rows: Sequence[Measurement], provenance: Prove
         section["grouped_gemm"] = cal.grouped_gemm
     if cal.attention is not None:
         section["attention"] = {**cal.attention, "note": "causal SDPA forward; FLOPs = half of 4*B*H*S^2*D"}
+        ratio = cal.attention["efficiency_vs_dense_gemm"]
+        acc["attention_efficiency_vs_gemm"] = float(f"{ratio['median']:.4g}")
+        sources["attention_efficiency_vs_gemm"] = (
+            f"measured (median over {ratio['points']} causal SDPA forward points, {cal.attention['precision']}, of the "
+            f"achieved rate over the calibrated {cal.attention['precision']} GEMM curve at equal FLOPs; range "
+            f"{ratio['min']:g}-{ratio['max']:g}, {provenance.device}): {stamp}")
     acc["sources"] = sources
 
     if cal.collectives:

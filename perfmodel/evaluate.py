@@ -320,6 +320,7 @@ class _Hardware:
         self.share = share
         self.gemm_peak = np.where(np.isfinite(gemm_peak), gemm_peak, fallback) * share
         self.attn_peak = np.where(np.isfinite(attn_peak), attn_peak, fallback) * share
+        self.attn_ratio = acc.attention_efficiency_vs_gemm or 1.0  # the core's rate over a GEMM's (calibrated)
         self.curves = [_Curve(acc.compute_curve(name)) for name in PRECISIONS]
         self.gemm_code, self.attn_code = code, attn_code
         self.gemm_present = np.flatnonzero(np.bincount(code, minlength=len(PRECISIONS)))
@@ -368,7 +369,9 @@ class _Hardware:
     def compute_rate(self, kind: str, kernel_flops: Any) -> Any:
         """Achieved FLOP/s: peak x eff_compute(FLOPs of one kernel call). Attention and the
         bf16 GEMMs (gemm_hp: router, LM head) run at bf16 under fp8/mxfp8."""
-        if kind in ("attention", "gemm_hp"):
+        if kind == "attention":
+            return self.attn_peak * self.attn_ratio * self._eff("attention", self.attn_present, kernel_flops)
+        if kind == "gemm_hp":
             return self.attn_peak * self._eff("attention", self.attn_present, kernel_flops)
         return self.gemm_peak * self._eff("gemm", self.gemm_present, kernel_flops)
 

@@ -93,6 +93,8 @@ class _Device:
         bandwidth = self.acc.hbm_bandwidth_bytes_per_s * mem_eff
         if op["kind"] in ("attention", "gemm_hp"):   # bf16 even under fp8
             rate = self.attn_peak * float(self.attn_curve(op["sizes"][0]))
+            if op["kind"] == "attention":  # the core runs at a measured fraction of a GEMM's rate
+                rate *= self.acc.attention_efficiency_vs_gemm or 1.0
         elif op["kind"] != "memory":
             rate = self.gemm_peak * float(self.gemm_curve(op["sizes"][0]))
         seconds = []

@@ -85,6 +85,10 @@ class Accelerator:
     recompute (None: not priced). Measured by `mosaic calibrate` on cpu."""
     checkpoint_saved_tensor_latency_s: Optional[float] = None
     """Host time per tensor a checkpointed region saves (pack, recompute, unpack hooks)."""
+    attention_efficiency_vs_gemm: Optional[float] = None
+    """The attention core's achieved rate over a dense GEMM's of equal FLOPs (same precision);
+    None: priced as that GEMM. Measured by `mosaic calibrate` from its SDPA points (on cpu
+    torch's flash kernel runs at 0.2-0.4 of a GEMM's rate)."""
     dtensor_op_latency_s: Optional[float] = None
     """Host time one DTensor op adds beyond the single-device ops (tensor parallel in eager
     PyTorch: sharding propagation, wrapping); priced on CPU clusters, whose ranks run the
@@ -107,6 +111,11 @@ class Accelerator:
             check(value is None or (math.isfinite(value) and value >= 0), key, "must be >= 0 seconds",
                   "write seconds, e.g. 6.0e-5, or leave it out")
             check(value is None or key in self.sources, "sources", f"no source for {key}", "cite the measurement")
+        ratio = self.attention_efficiency_vs_gemm
+        check(ratio is None or (math.isfinite(ratio) and 0 < ratio <= 4), "attention_efficiency_vs_gemm",
+              f"must be in (0, 4], got {ratio}", "write the measured ratio, e.g. 0.3, or leave it out")
+        check(ratio is None or "attention_efficiency_vs_gemm" in self.sources, "sources",
+              "no source for attention_efficiency_vs_gemm", "cite the measurement")
         check(len(self.compute_efficiency) > 0, "compute_efficiency", "is empty", "give a curve for bf16 (or fp32)")
         missing = [k for k in ("peak_flops_per_s", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "launch_latency_s")
                    if k not in self.sources]

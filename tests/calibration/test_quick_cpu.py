@@ -41,6 +41,12 @@ def test_fitted_figures_are_sane(calibrated, rows):
     assert acc.hbm_bandwidth_bytes_per_s > 1e9
     assert all(0 < v <= 1 for v in acc.memory_efficiency.values)
     assert 0 < acc.launch_latency_s < 1e-3
+    # the attention core against the fp32 GEMM curve the cpu trainer computes with (torch's cpu flash
+    # kernel: 0.2-0.6 of a GEMM's rate at these sizes, never faster than 4x)
+    attention = calibrated.calibration["attention"]
+    assert attention["precision"] == "fp32" and attention["efficiency_vs_dense_gemm"]["points"] == 5
+    assert acc.attention_efficiency_vs_gemm == pytest.approx(attention["efficiency_vs_dense_gemm"]["median"], rel=1e-3)
+    assert 0 < acc.attention_efficiency_vs_gemm <= 4 and "SDPA" in acc.sources["attention_efficiency_vs_gemm"]
     host = calibrated.levels[0]
     assert host.bandwidth_bytes_per_s > 0 and 0 < host.efficiency <= 1 and host.latency_s > 0
     assert set(host.collective_efficiency) == set(COLLECTIVES)

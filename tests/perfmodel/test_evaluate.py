@@ -402,3 +402,16 @@ def test_eager_recompute_pays_checkpoint_host_time_per_region_and_saved_tensor()
     layers = DENSE.n_layers
     assert extra["selective"] == pytest.approx(2 * layers * (2e-4 + 1e-5 * 5.0), rel=1e-9)
     assert extra["full"] > extra["selective"]
+
+
+def test_attention_core_runs_at_the_calibrated_fraction_of_a_gemm():
+    ratio = 0.25
+    acc = H100.accelerator
+    slower = dataclasses.replace(H100, accelerator=dataclasses.replace(
+        acc, attention_efficiency_vs_gemm=ratio, sources={**acc.sources, "attention_efficiency_vs_gemm": "test"}))
+    layout = parse_layout("mbs=1,gbs=1", devices=1)
+    base, priced = evaluate(DENSE, layout, H100), evaluate(DENSE, layout, slower)
+    # the flash core's FLOPs take 1/ratio as long; GEMMs (incl. the bf16 head) are untouched
+    assert priced.breakdown["attention"][0] == pytest.approx(base.breakdown["attention"][0] / ratio, rel=1e-6)
+    assert priced.breakdown["compute"][0] == pytest.approx(base.breakdown["compute"][0], rel=1e-9)
+    assert priced.step_time_s[0] > base.step_time_s[0]
