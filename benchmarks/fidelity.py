@@ -19,7 +19,8 @@
    machine a whole round can run slower or faster (other jobs, the scheduler's placement of
    the ranks): several short rounds let the median span those states.
 3. Report per-configuration error (predicted/measured - 1), MAPE, max |error| and Kendall
-   tau of the ranking (scipy.stats.kendalltau).
+   tau of the ranking (scipy.stats.kendalltau), and how far each configuration's round medians
+   disagree (max/min): the measurement's own noise, a floor under any model's error.
 4. Refit the cluster from these runs (`mosaic calibrate --from-runs`) and report its
    leave-one-run-out MAPE (each run predicted by factors fitted without it).
 
@@ -139,6 +140,20 @@ def train(name: str, model: str, layout: str, ranks: int, steps: int, device: st
         write_text_atomic(pooled, pooled.read_text() + text)
         shutil.rmtree(out)
     return seconds
+
+
+def round_medians(folder: Path) -> list[float]:
+    """Median step time of each round of a pooled run (warm-up dropped as `load_run` does):
+    how far the rounds disagree is the measurement's own noise on this machine."""
+    import numpy as np
+
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    skip = max(1, len(rows) // 10)
+    by_round: dict[int, list[float]] = {}
+    for i, row in enumerate(rows):
+        if i >= skip or "round" in row:
+            by_round.setdefault(int(row.get("round", 0)), []).append(float(row["step_time_s"]))
+    return [float(np.median(times)) for _, times in sorted(by_round.items())]
 
 
 def eager_op_sample() -> float:
@@ -299,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for (name, model, layout, ranks), run, p, e in zip(order, run_list, predicted, errors):
+        rounds = round_medians(runs / name)
         rows.append({"name": name, "model": model, "layout": layout, "ranks": ranks, "steps_used": run.steps_used,
+                     "round_medians_s": rounds, "round_spread": max(rounds) / min(rounds),
                      "measured_step_time_s": float(run.measured_step_time_s), "predicted_s": float(p),
                      "error": float(e), "predicted_loo_s": loo.get(name),
                      "error_loo": (loo[name] / run.measured_step_time_s - 1.0) if loo.get(name) else None})
@@ -315,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "refit": {"fitted": summary["fitted"], "factors": summary["factors"], "fixed": summary["fixed"],
                   "mape": summary["mape"], "cluster": str(refit_path)},
         "mape_after_loo": loo_mape,
+        "median_round_spread": float(np.median([r["round_spread"] for r in rows])),
         "kendall_tau_after_loo": kendall([r["predicted_loo_s"] for r in rows if r["predicted_loo_s"]],
                                          [r["measured_step_time_s"] for r in rows if r["predicted_loo_s"]]),
         "wall_s": round(time.perf_counter() - t_start, 1), "train_wall_s": {k: round(v, 1) for k, v in wall.items()},
@@ -326,11 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     scatter(png_path, rows, f"{args.device}: MAPE {mape_before:.1%} before refit, {loo_mape:.1%} after (LOO); "
             f"load {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores")
 
-    print(f"\n{'configuration':<20} {'ranks':>5} {'measured ms':>12} {'predicted ms':>13} {'error':>8} {'LOO error':>10}")
+    print(f"\n{'configuration':<20} {'ranks':>5} {'measured ms':>12} {'rounds max/min':>15} {'predicted ms':>13} "
+          f"{'error':>8} {'LOO error':>10}")
     for r in rows:
         loo_text = f"{r['error_loo']:+.1%}" if r["error_loo"] is not None else "-"
-        print(f"{r['name']:<20} {r['ranks']:>5} {r['measured_step_time_s'] * 1e3:>12.2f} {r['predicted_s'] * 1e3:>13.2f} "
-              f"{r['error']:>+8.1%} {loo_text:>10}")
+        print(f"{r['name']:<20} {r['ranks']:>5} {r['measured_step_time_s'] * 1e3:>12.2f} {r['round_spread']:>15.2f} "
+              f"{r['predicted_s'] * 1e3:>13.2f} {r['error']:>+8.1%} {loo_text:>10}")
+    print(f"rounds disagree by a median {result['median_round_spread']:.2f}x (max/min of a configuration's round medians)")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after the runs ({os.cpu_count()} cores)")
     print(f"max |error| before refit: {result['max_abs_error_before']:.1%}; Kendall tau: {result['kendall_tau_before']:.3f} "
           f"before, {result['kendall_tau_after_loo']:.3f} after (LOO); refit factors {summary['factors']}")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="the fidelity benchmark trains with the bundled trainer (extra `train`)")
@@ -62,6 +63,13 @@ def test_reduced_fidelity_run_writes_json_png_and_last_lines(tmp_path: Path) -> 
     assert [json.loads(line).get("round", 0) for line in metrics] == [0] * 3 + [1] * (kept - 3)
     assert not list((tmp_path / "fidelity_cpu" / "runs").glob("*.round*"))
     assert len(result["load_average_before"]) == 3
+    # one median per round (round 0 without its first step), and their disagreement
+    for row in result["configs"]:
+        times = [json.loads(line)["step_time_s"] for line in
+                 (tmp_path / "fidelity_cpu" / "runs" / row["name"] / "metrics.jsonl").read_text().splitlines()]
+        assert row["round_medians_s"] == pytest.approx([float(np.median(times[1:3])), float(np.median(times[3:]))])
+        assert row["round_spread"] == pytest.approx(max(row["round_medians_s"]) / min(row["round_medians_s"]))
+    assert result["median_round_spread"] >= 1.0
 
     png = tmp_path / "fidelity_cpu.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
