@@ -56,7 +56,7 @@ def test_fitted_figures_are_sane(calibrated, rows):
     # alpha-beta describes loopback gloo: the sizes span 4 KiB..16 MiB (three decades of time);
     # the small ones carry the scheduler stalls a trainer pays (batched means), so the fit of log
     # time scatters more than the fit of time. Typical here: r2 0.90-0.99, r2_linear 0.95-0.999;
-    # one collective's r2_linear fell to 0.9 or below in about 1 of 10 calibrations on the shared VM
+    # one collective's r2_linear fell to 0.9 or below once in about ten calibrations on the shared VM
     r2 = sorted(fit["r2"] for fit in fits)
     r2_linear = sorted(fit["r2_linear"] for fit in fits)
     assert r2[len(r2) // 2] > 0.8 and r2_linear[len(r2_linear) // 2] > 0.9, fits
