@@ -147,8 +147,10 @@ def round_medians(folder: Path) -> list[float]:
     how far the rounds disagree is the measurement's own noise on this machine."""
     import numpy as np
 
+    from calibration.from_runs import warm_up_steps
+
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    skip = max(1, len(rows) // 10)
+    skip = warm_up_steps(len(rows))
     by_round: dict[int, list[float]] = {}
     for i, row in enumerate(rows):
         if i >= skip or "round" in row:

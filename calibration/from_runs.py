@@ -98,6 +98,12 @@ def _metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def warm_up_steps(steps: int) -> int:
+    """Leading steps of a run left out of its measured step time: the first, and the first 10% of
+    longer runs (allocation and first-call costs)."""
+    return max(1, steps // 10)
+
+
 def load_run(folder: Path) -> Run:
     """One trainer run folder: run.yaml + metrics.jsonl -> Run (median post-warm-up step time)."""
     config = folder / "run.yaml"
@@ -114,8 +120,7 @@ def load_run(folder: Path) -> Run:
     if len(rows) < 2:
         raise InputError(f"{folder / 'metrics.jsonl'}: {len(rows)} step(s); need 2 or more (the first is warm-up)")
     rows.sort(key=lambda r: r["step"])
-    skip = max(1, len(rows) // 10)
-    times = [float(r["step_time_s"]) for r in rows[skip:]]
+    times = [float(r["step_time_s"]) for r in rows[warm_up_steps(len(rows)):]]
     return Run(name=folder.name, arch=arch, layout=layout, devices=world, measured_step_time_s=float(np.median(times)),
                steps_used=len(times), cluster_name=str(data.get("cluster", "")))
 
@@ -351,4 +356,4 @@ def _sig(value: float) -> float:
 
 
 __all__ = ["FACTORS", "PRIOR_LOG_SD", "FromRunsResult", "Run", "apply_factors", "discover_runs", "fit_factors", "identifiable", "initial_factors",
-           "load_run", "predict", "prior_sd", "refit_from_runs"]
+           "load_run", "predict", "prior_sd", "refit_from_runs", "warm_up_steps"]

@@ -369,10 +369,9 @@ class _Hardware:
     def compute_rate(self, kind: str, kernel_flops: Any) -> Any:
         """Achieved FLOP/s: peak x eff_compute(FLOPs of one kernel call). Attention and the
         bf16 GEMMs (gemm_hp: router, LM head) run at bf16 under fp8/mxfp8."""
-        if kind == "attention":
-            return self.attn_peak * self.attn_ratio * self._eff("attention", self.attn_present, kernel_flops)
-        if kind == "gemm_hp":
-            return self.attn_peak * self._eff("attention", self.attn_present, kernel_flops)
+        if kind in ("attention", "gemm_hp"):
+            ratio = self.attn_ratio if kind == "attention" else 1.0  # the flash core's measured fraction
+            return self.attn_peak * ratio * self._eff("attention", self.attn_present, kernel_flops)
         return self.gemm_peak * self._eff("gemm", self.gemm_present, kernel_flops)
 
     def memory_efficiency(self, nbytes: Any, kernels: Any) -> Any:
