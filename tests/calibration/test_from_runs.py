@@ -151,3 +151,16 @@ def test_prior_keeps_weakly_determined_factors_near_their_calibrated_values(tmp_
     assert departure(plain) > 0.05  # the noise does move an unconstrained fit
     assert departure(with_prior) < departure(plain)
     assert all(from_runs.BOUNDS[n][0] <= with_prior[n] <= from_runs.BOUNDS[n][1] for n in names)
+
+
+def test_cauchy_prior_residual_is_gaussian_near_the_centre_and_heavy_tailed():
+    """Near the calibrated value the prior costs z^2 (a Gaussian of the same sd); far away it grows
+    like log z, so runs that all agree on a far-off factor outweigh it."""
+    from calibration.from_runs import cauchy_residual
+
+    z = np.array([-0.05, 0.0, 0.05])
+    assert np.allclose(cauchy_residual(z) ** 2, z ** 2, rtol=1e-2, atol=1e-12)
+    assert np.allclose(cauchy_residual(-z), -cauchy_residual(z))  # odd: the sign tells the solver which way
+    far = cauchy_residual(np.array([10.0, 100.0])) ** 2
+    assert far[0] < 10.0 and far[1] < 20.0  # a Gaussian would charge 100 and 10,000
+    assert np.all(np.diff(cauchy_residual(np.linspace(-50, 50, 1001))) > 0)  # monotone: one minimum
