@@ -19,8 +19,10 @@
    machine a whole round can run slower or faster (other jobs, the scheduler's placement of
    the ranks): several short rounds let the median span those states.
 3. Report per-configuration error (predicted/measured - 1), MAPE, max |error| and Kendall
-   tau of the ranking (scipy.stats.kendalltau), and how far each configuration's round medians
-   disagree (max/min): the measurement's own noise, a floor under any model's error.
+   tau of the ranking (scipy.stats.kendalltau), how far each configuration's round medians
+   disagree (max/min), and the standard error of each measured median (bootstrap over rounds)
+   with the MAPE a perfect model would show from that noise alone: a floor under any model's
+   error (the calibration's own run-to-run noise comes on top).
 4. Refit the cluster from these runs (`mosaic calibrate --from-runs`) and report its
    leave-one-run-out MAPE (each run predicted by factors fitted without it).
 
@@ -142,11 +144,9 @@ def train(name: str, model: str, layout: str, ranks: int, steps: int, device: st
     return seconds
 
 
-def round_medians(folder: Path) -> list[float]:
-    """Median step time of each round of a pooled run (warm-up dropped as `load_run` does):
-    how far the rounds disagree is the measurement's own noise on this machine."""
-    import numpy as np
-
+def round_times(folder: Path) -> list[list[float]]:
+    """Step times of each round of a pooled run, warm-up dropped as `load_run` does (the first
+    round's leading steps; later rounds were appended without theirs)."""
     from calibration.from_runs import warm_up_steps
 
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -155,7 +155,23 @@ def round_medians(folder: Path) -> list[float]:
     for i, row in enumerate(rows):
         if i >= skip or "round" in row:
             by_round.setdefault(int(row.get("round", 0)), []).append(float(row["step_time_s"]))
-    return [float(np.median(times)) for _, times in sorted(by_round.items())]
+    return [times for _, times in sorted(by_round.items())]
+
+
+def bootstrap_relative_se(rounds: list[list[float]], resamples: int = 2000, seed: int = 0) -> float:
+    """Relative standard error of the pooled median step time, by the bootstrap over rounds
+    (Efron & Tibshirani 1993, ch. 6; rounds, not steps, are the independent samples here: a
+    round's steps share the machine's state; the jackknife is not used because it fails for the
+    median, ch. 11.6): the sd of the pooled median over rounds resampled with replacement, over
+    the pooled median. NaN for a single round."""
+    import numpy as np
+
+    if len(rounds) < 2:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(rounds), size=(resamples, len(rounds)))
+    medians = [np.median(np.concatenate([rounds[i] for i in pick])) for pick in picks]
+    return float(np.std(medians, ddof=1) / np.median(np.concatenate(rounds)))
 
 
 def eager_op_sample() -> float:
@@ -186,6 +202,13 @@ def interleaved_cluster(calibrated: Path, launch_latency_s: float, samples: int,
     out = folder / "calibrated_interleaved.yaml"
     write_yaml_atomic(out, data)
     return out
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN: a figure that cannot be computed (one round) is null."""
+    import math
+
+    return value if math.isfinite(value) else None
 
 
 def kendall(predicted: list[float], measured: list[float]) -> float:
@@ -316,9 +339,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for (name, model, layout, ranks), run, p, e in zip(order, run_list, predicted, errors):
-        rounds = round_medians(runs / name)
+        per_round = round_times(runs / name)
+        rounds = [float(np.median(times)) for times in per_round]
         rows.append({"name": name, "model": model, "layout": layout, "ranks": ranks, "steps_used": run.steps_used,
                      "round_medians_s": rounds, "round_spread": max(rounds) / min(rounds),
+                     "measured_relative_se": _finite_or_none(bootstrap_relative_se(per_round)),
                      "measured_step_time_s": float(run.measured_step_time_s), "predicted_s": float(p),
                      "error": float(e), "predicted_loo_s": loo.get(name),
                      "error_loo": (loo[name] / run.measured_step_time_s - 1.0) if loo.get(name) else None})
@@ -335,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                   "mape": summary["mape"], "cluster": str(refit_path)},
         "mape_after_loo": loo_mape,
         "median_round_spread": float(np.median([r["round_spread"] for r in rows])),
+        # a perfect model's expected MAPE against these medians from their own noise alone: E|N(0, se)| = se sqrt(2/pi)
+        "noise_floor_mape": _finite_or_none(float(np.sqrt(2.0 / np.pi) * np.mean(
+            [r["measured_relative_se"] if r["measured_relative_se"] is not None else np.nan for r in rows]))),
         "kendall_tau_after_loo": kendall([r["predicted_loo_s"] for r in rows if r["predicted_loo_s"]],
                                          [r["measured_step_time_s"] for r in rows if r["predicted_loo_s"]]),
         "wall_s": round(time.perf_counter() - t_start, 1), "train_wall_s": {k: round(v, 1) for k, v in wall.items()},
@@ -352,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         loo_text = f"{r['error_loo']:+.1%}" if r["error_loo"] is not None else "-"
         print(f"{r['name']:<20} {r['ranks']:>5} {r['measured_step_time_s'] * 1e3:>12.2f} {r['round_spread']:>15.2f} "
               f"{r['predicted_s'] * 1e3:>13.2f} {r['error']:>+8.1%} {loo_text:>10}")
-    print(f"rounds disagree by a median {result['median_round_spread']:.2f}x (max/min of a configuration's round medians)")
+    floor = result["noise_floor_mape"]
+    print(f"rounds disagree by a median {result['median_round_spread']:.2f}x (max/min of a configuration's round medians)"
+          + (f"; from that noise alone a perfect model would show a MAPE of about {floor:.1%} (bootstrap over rounds; "
+             "the calibration's own noise comes on top)" if floor is not None else ""))
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after the runs ({os.cpu_count()} cores)")
     print(f"max |error| before refit: {result['max_abs_error_before']:.1%}; Kendall tau: {result['kendall_tau_before']:.3f} "
           f"before, {result['kendall_tau_after_loo']:.3f} after (LOO); refit factors {summary['factors']}")

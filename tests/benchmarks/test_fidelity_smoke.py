@@ -70,11 +70,27 @@ def test_reduced_fidelity_run_writes_json_png_and_last_lines(tmp_path: Path) -> 
         assert row["round_medians_s"] == pytest.approx([float(np.median(times[1:3])), float(np.median(times[3:]))])
         assert row["round_spread"] == pytest.approx(max(row["round_medians_s"]) / min(row["round_medians_s"]))
     assert result["median_round_spread"] >= 1.0
+    for row in result["configs"]:  # 2 rounds: a standard error, 0 only if both rounds had one median
+        assert row["measured_relative_se"] >= 0.0
+    assert result["noise_floor_mape"] == pytest.approx(
+        np.sqrt(2 / np.pi) * np.mean([row["measured_relative_se"] for row in result["configs"]]))
 
     png = tmp_path / "fidelity_cpu.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     refit = tmp_path / "fidelity_cpu" / "refit.yaml"
     assert "from_runs" in refit.read_text()
+
+
+def test_bootstrap_standard_error_of_the_pooled_median_follows_the_rounds_disagreement() -> None:
+    same = [[1.0, 1.0, 1.0]] * 4
+    assert fidelity.bootstrap_relative_se(same) == 0.0
+    assert np.isnan(fidelity.bootstrap_relative_se([[1.0, 2.0, 3.0]]))  # one round: no estimate
+    close = [[1.00, 1.01, 0.99], [1.05, 1.04, 1.06], [0.97, 0.96, 0.98], [1.02, 1.01, 1.03]]
+    apart = [[1.0, 1.01, 0.99], [1.5, 1.49, 1.51], [0.7, 0.71, 0.69], [1.2, 1.21, 1.19]]
+    se_close, se_apart = fidelity.bootstrap_relative_se(close), fidelity.bootstrap_relative_se(apart)
+    assert 0.0 < se_close < se_apart
+    assert 0.005 < se_close < 0.05  # rounds about 3% apart: a pooled median good to a few percent
+    assert fidelity.bootstrap_relative_se(close) == se_close  # seeded: the report is reproducible
 
 
 def test_unknown_configuration_is_refused_before_any_run(tmp_path: Path) -> None:
