@@ -3,7 +3,9 @@
     python benchmarks/fidelity.py --device cpu [--steps 30] [--out-dir benchmarks/results]
 
 1. Calibrate this machine (`mosaic calibrate --quick`; or `--cluster FILE` to reuse a
-   calibrated cluster).
+   calibrated cluster), and again after the trainer runs: predictions use the geometric mean
+   of the two, figure by figure (`bracketed_cluster`; `--no-recalibrate` keeps the first), as
+   the speed of a shared machine drifts within minutes and the runs sit between the two.
    On cpu the per-op host cost (`launch_latency_s`, an eager op with autograd) is measured
    again before each trainer run and the median over the whole benchmark replaces the
    calibrated figure (`--no-interleave` keeps it): other jobs on a shared machine change the
@@ -97,9 +99,9 @@ def mosaic(*args: str, capture: bool = False) -> str:
     return done.stdout if capture else ""
 
 
-def calibrate(device: str, folder: Path, base: str | None) -> Path:
+def calibrate(device: str, folder: Path, base: str | None, name: str = "calibrated.yaml") -> Path:
     """`mosaic calibrate --quick` on top of `base` (cpu: cpu_local; cuda: the bundled cluster of the GPU's name)."""
-    out = folder / "calibrated.yaml"
+    out = folder / name
     if base is None and device != "cpu":
         from mosaic.cli.train import _default_cluster
 
@@ -172,6 +174,47 @@ def bootstrap_relative_se(rounds: list[list[float]], resamples: int = 2000, seed
     picks = rng.integers(0, len(rounds), size=(resamples, len(rounds)))
     medians = [np.median(np.concatenate([rounds[i] for i in pick])) for pick in picks]
     return float(np.std(medians, ddof=1) / np.median(np.concatenate(rounds)))
+
+
+def geometric_mean_figures(first: object, second: object) -> object:
+    """Two calibrations of one machine merged figure by figure: the geometric mean of two positive
+    numbers (the arithmetic mean otherwise), lists element by element, mappings key by key; a
+    curve whose `sizes` differ, text and flags are kept from `first`."""
+    import math
+
+    if isinstance(first, bool) or isinstance(second, bool):
+        return first
+    if isinstance(first, (int, float)) and isinstance(second, (int, float)):
+        if first == second:
+            return first
+        mean = math.sqrt(first * second) if first > 0 and second > 0 else (first + second) / 2
+        return float(f"{mean:.4g}")
+    if isinstance(first, list) and isinstance(second, list) and len(first) == len(second):
+        return [geometric_mean_figures(a, b) for a, b in zip(first, second)]
+    if isinstance(first, dict) and isinstance(second, dict):
+        if "sizes" in first and first.get("sizes") != second.get("sizes"):
+            return first
+        return {k: geometric_mean_figures(v, second[k]) if k in second else v for k, v in first.items()}
+    return first
+
+
+def bracketed_cluster(before: Path, after: Path, folder: Path) -> Path:
+    """The machine's figures as the geometric mean of a calibration before and one after the runs
+    (accelerator and fabric levels; provenance from `before`): on a shared machine the speed
+    drifts within minutes, and the runs sit between the two."""
+    from perfmodel.specs.strict import read_yaml, write_yaml_atomic
+
+    first, second = read_yaml(before), read_yaml(after)
+    merged = dict(first)
+    for section in ("accelerator", "levels"):
+        merged[section] = geometric_mean_figures(first[section], second[section])
+    calibration = dict(merged.get("calibration") or {})
+    calibration["bracketed"] = (f"accelerator and levels: geometric mean, figure by figure, of {before.name} (before "
+                                f"the trainer runs) and {after.name} (after them); benchmarks/fidelity.py")
+    merged["calibration"] = calibration
+    out = folder / "calibrated_bracketed.yaml"
+    write_yaml_atomic(out, merged)
+    return out
 
 
 def eager_op_sample() -> float:
@@ -260,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      "name on cuda, ascend_910b on npu)")
     parser.add_argument("--no-interleave", action="store_true",
                         help="cpu: keep the calibrated per-op cost instead of re-measuring it between the runs")
+    parser.add_argument("--no-recalibrate", action="store_true",
+                        help="calibrate only before the runs (default: again after them, and predict with the "
+                             "geometric mean of the two calibrations)")
     parser.add_argument("--reuse-runs", action="store_true", help="reuse run folders of an earlier invocation")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
@@ -318,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trained {name:<20} ({ranks} rank{'s' if ranks > 1 else ''}) round {round_index + 1}/{args.rounds} "
                   f"in {wall[name]:.1f} s", flush=True)
     load_after = os.getloadavg()
+    if not args.cluster and not args.no_recalibrate:  # the machine after the runs as well as before them
+        after = calibrate(args.device, folder, args.base, "calibrated_after.yaml")
+        cluster_path = bracketed_cluster(cluster_path, after, folder)
+        cluster = load_cluster(str(cluster_path))
     calibrated_launch_s = cluster.accelerator.launch_latency_s
     if op_samples:  # the per-op host cost as it was while the runs ran (see module doc)
         op_samples.append(eager_op_sample())

@@ -93,6 +93,31 @@ def test_bootstrap_standard_error_of_the_pooled_median_follows_the_rounds_disagr
     assert fidelity.bootstrap_relative_se(close) == se_close  # seeded: the report is reproducible
 
 
+def test_calibrations_before_and_after_the_runs_merge_by_geometric_mean(tmp_path: Path) -> None:
+    import yaml
+
+    from perfmodel.clusters import load_cluster, resolve_cluster_path
+
+    merge = fidelity.geometric_mean_figures
+    assert merge(2.0, 8.0) == 4.0 and merge(0.0, 2.0) == 1.0 and merge(3, 3) == 3
+    assert merge([1.0, 4.0], [4.0, 1.0]) == [2.0, 2.0]
+    assert merge("a", "b") == "a" and merge(True, False) is True
+    curve = {"sizes": [1.0, 2.0], "values": [0.2, 0.8]}
+    assert merge(curve, {"sizes": [1.0, 3.0], "values": [0.8, 0.2]}) == curve  # other knots: kept, not mixed
+    before = yaml.safe_load(resolve_cluster_path("cpu_local").read_text())
+    after = yaml.safe_load(resolve_cluster_path("cpu_local").read_text())
+    after["accelerator"]["launch_latency_s"] = before["accelerator"]["launch_latency_s"] * 4
+    after["levels"][0]["latency_s"] = before["levels"][0]["latency_s"] / 4
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(before))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(after))
+    merged = load_cluster(str(fidelity.bracketed_cluster(tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path)))
+    assert merged.accelerator.launch_latency_s == pytest.approx(2 * before["accelerator"]["launch_latency_s"], rel=1e-3)
+    assert merged.levels[0].latency_s == pytest.approx(before["levels"][0]["latency_s"] / 2, rel=1e-3)
+    assert merged.accelerator.compute_efficiency["fp32"].values == pytest.approx(
+        before["accelerator"]["compute_efficiency"]["fp32"]["values"])
+    assert "geometric mean" in merged.calibration["bracketed"]
+
+
 def test_unknown_configuration_is_refused_before_any_run(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--configs", "nope",
                            "--cluster", "cpu_local", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
