@@ -124,3 +124,11 @@ def test_unknown_configuration_is_refused_before_any_run(tmp_path: Path) -> None
     assert done.returncode == 2
     assert "unknown nope" in done.stderr
     assert not (tmp_path / "fidelity_cpu").exists()
+
+
+def test_recalibrate_with_a_given_cluster_is_refused(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--recalibrate",
+                           "--cluster", "cpu_local", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--recalibrate" in done.stderr and "drop --cluster" in done.stderr
+    assert not (tmp_path / "fidelity_cpu").exists()
