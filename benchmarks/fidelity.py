@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -181,8 +182,6 @@ def geometric_mean_figures(first: object, second: object) -> object:
     """Two calibrations of one machine merged figure by figure: the geometric mean of two positive
     numbers (the arithmetic mean otherwise), lists element by element, mappings key by key; a
     curve whose `sizes` differ, text and flags are kept from `first`."""
-    import math
-
     if isinstance(first, bool) or isinstance(second, bool):
         return first
     if isinstance(first, (int, float)) and isinstance(second, (int, float)):
@@ -250,8 +249,6 @@ def interleaved_cluster(calibrated: Path, launch_latency_s: float, samples: int,
 
 def _finite_or_none(value: float) -> float | None:
     """JSON has no NaN: a figure that cannot be computed (one round) is null."""
-    import math
-
     return value if math.isfinite(value) else None
 
 
@@ -391,12 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     loo_mape = summary["mape"].get("after_leave_one_run_out", float("nan"))
 
     rows = []
+    relative_ses = []
     for (name, model, layout, ranks), run, p, e in zip(order, run_list, predicted, errors):
         per_round = round_times(runs / name)
         rounds = [float(np.median(times)) for times in per_round]
+        relative_ses.append(bootstrap_relative_se(per_round))
         rows.append({"name": name, "model": model, "layout": layout, "ranks": ranks, "steps_used": run.steps_used,
                      "round_medians_s": rounds, "round_spread": max(rounds) / min(rounds),
-                     "measured_relative_se": _finite_or_none(bootstrap_relative_se(per_round)),
+                     "measured_relative_se": _finite_or_none(relative_ses[-1]),
                      "measured_step_time_s": float(run.measured_step_time_s), "predicted_s": float(p),
                      "error": float(e), "predicted_loo_s": loo.get(name),
                      "error_loo": (loo[name] / run.measured_step_time_s - 1.0) if loo.get(name) else None})
@@ -414,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         "mape_after_loo": loo_mape,
         "median_round_spread": float(np.median([r["round_spread"] for r in rows])),
         # a perfect model's expected MAPE against these medians from their own noise alone: E|N(0, se)| = se sqrt(2/pi)
-        "noise_floor_mape": _finite_or_none(float(np.sqrt(2.0 / np.pi) * np.mean(
-            [r["measured_relative_se"] if r["measured_relative_se"] is not None else np.nan for r in rows]))),
+        "noise_floor_mape": _finite_or_none(float(np.sqrt(2.0 / np.pi) * np.mean(relative_ses))),
         "kendall_tau_after_loo": kendall([r["predicted_loo_s"] for r in rows if r["predicted_loo_s"]],
                                          [r["measured_step_time_s"] for r in rows if r["predicted_loo_s"]]),
         "wall_s": round(time.perf_counter() - t_start, 1), "train_wall_s": {k: round(v, 1) for k, v in wall.items()},

@@ -88,7 +88,7 @@ class Accelerator:
     attention_efficiency_vs_gemm: Optional[float] = None
     """The attention core's achieved rate over a dense GEMM's of equal FLOPs (same precision);
     None: priced as that GEMM. Measured by `mosaic calibrate` from its SDPA points (on cpu
-    torch's flash kernel runs at 0.2-0.4 of a GEMM's rate)."""
+    torch's flash kernel ran at 0.29-0.52 of a GEMM's rate, see cpu_local.yaml)."""
     dtensor_op_latency_s: Optional[float] = None
     """Host time one DTensor op adds beyond the single-device ops (tensor parallel in eager
     PyTorch: sharding propagation, wrapping); priced on CPU clusters, whose ranks run the
