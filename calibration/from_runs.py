@@ -112,6 +112,14 @@ def warm_up_steps(steps: int) -> int:
     return max(1, steps // 10)
 
 
+def first_process_steps(rows: list[dict[str, Any]]) -> int:
+    """Steps of a run's first process: rows carrying a "round" were appended by later processes
+    that dropped their own warm-up (benchmarks/fidelity.py pools rounds so), so the warm-up rule
+    applies to the leading rows without one."""
+    first = sum(1 for r in rows if "round" not in r)
+    return first or len(rows)
+
+
 def load_run(folder: Path) -> Run:
     """One trainer run folder: run.yaml + metrics.jsonl -> Run (median post-warm-up step time)."""
     config = folder / "run.yaml"
@@ -128,7 +136,7 @@ def load_run(folder: Path) -> Run:
     if len(rows) < 2:
         raise InputError(f"{folder / 'metrics.jsonl'}: {len(rows)} step(s); need 2 or more (the first is warm-up)")
     rows.sort(key=lambda r: r["step"])
-    times = [float(r["step_time_s"]) for r in rows[warm_up_steps(len(rows)):]]
+    times = [float(r["step_time_s"]) for r in rows[warm_up_steps(first_process_steps(rows)):]]
     return Run(name=folder.name, arch=arch, layout=layout, devices=world, measured_step_time_s=float(np.median(times)),
                steps_used=len(times), cluster_name=str(data.get("cluster", "")))
 

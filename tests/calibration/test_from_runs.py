@@ -96,6 +96,24 @@ def test_warm_up_step_is_excluded(synthetic_runs):
         assert run.measured_step_time_s < first / 2
 
 
+def test_warm_up_counts_the_first_process_only(tmp_path):
+    """Rows a later process appended (marked "round", their warm-up already dropped) do not
+    lengthen the first process's warm-up: 10 steps of the first keep 9, all 40 appended stay."""
+    from calibration.from_runs import first_process_steps, load_run
+
+    folder = tmp_path / "pooled"
+    _write_run(folder, *LAYOUTS[3], 1.0, np.random.default_rng(0), steps=10)
+    path = folder / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows += [dict(rows[-1], step=11 + i, round=1, step_time_s=2.0) for i in range(40)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert first_process_steps(rows) == 10
+    run = load_run(folder)
+    assert run.steps_used == 49  # max(1, 50 // 10) = 5 would have dropped 4 first-process steps more
+    assert run.measured_step_time_s == 2.0
+    assert first_process_steps([{"round": 1}] * 3) == 3  # no first-process rows: the plain rule on all
+
+
 def test_cli_from_runs_prints_mape_and_writes(synthetic_runs, tmp_path):
     import shutil
 
