@@ -7,10 +7,13 @@
    with the geometric mean of the two, figure by figure (`bracketed_cluster`): the speed of a
    shared machine drifts within minutes and the runs sit between the two. Off by default: in
    its one trial (docs/validation.md) the first calibration alone predicted better.
-   On cpu the per-op host cost (`launch_latency_s`, an eager op with autograd) is measured
-   again before each trainer run and the median over the whole benchmark replaces the
-   calibrated figure (`--no-interleave` keeps it): other jobs on a shared machine change the
-   load within minutes, and both sides of the comparison must see the same machine.
+   On cpu the machine's host-bound figures are probed again before each trainer run and after
+   the last (`drift_probe`, about 1 s: the per-op cost of an eager op with autograd, the cost a
+   DTensor op adds, a cold 128^3 fp32 GEMM's rate) and their medians over the whole benchmark
+   replace the calibrated figures (`interleaved_cluster`; `--no-interleave` keeps the
+   calibration alone): other jobs on a shared machine change its speed within minutes, and
+   both sides of the comparison must see the same machine. The MAPE with the calibration
+   alone is reported beside it.
 2. For each configuration (tiny MoE and dense models on 1, 2 and 4 ranks covering dp, ep,
    tp, pp, mbs and recompute) predict the step time with `perfmodel.evaluate` on the
    calibrated cluster, and run the bundled trainer (`mosaic train`, torchrun + gloo on cpu,
@@ -148,13 +151,27 @@ def train(name: str, model: str, layout: str, ranks: int, steps: int, device: st
     return seconds
 
 
+MAX_STEPS_PER_ROUND = 400
+"""Cap on `steps_for_seconds`: a configuration far faster than its first round must not run for minutes."""
+
+
+def steps_for_seconds(step_time_s: float, at_least: int, seconds: float) -> int:
+    """Steps of a round that last about `seconds` at `step_time_s` (the first round's median),
+    plus the ROUND_WARMUP_STEPS that `train` drops; never fewer than `at_least`, at most
+    MAX_STEPS_PER_ROUND."""
+    if not (step_time_s > 0 and math.isfinite(step_time_s)):
+        return at_least
+    wanted = math.ceil(seconds / step_time_s) + ROUND_WARMUP_STEPS
+    return int(min(MAX_STEPS_PER_ROUND, max(at_least, wanted)))
+
+
 def round_times(folder: Path) -> list[list[float]]:
     """Step times of each round of a pooled run, warm-up dropped as `load_run` does (the first
     round's leading steps; later rounds were appended without theirs)."""
-    from calibration.from_runs import warm_up_steps
+    from calibration.from_runs import first_process_steps, warm_up_steps
 
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    skip = warm_up_steps(len(rows))
+    skip = warm_up_steps(first_process_steps(rows))
     by_round: dict[int, list[float]] = {}
     for i, row in enumerate(rows):
         if i >= skip or "round" in row:
@@ -217,31 +234,69 @@ def bracketed_cluster(before: Path, after: Path, folder: Path) -> Path:
     return out
 
 
-def eager_op_sample() -> float:
-    """Host seconds per eager op now (calibration.eager_ops, the figure `mosaic calibrate` measures on cpu)."""
+PROBE_GEMM_SIZE = 128
+"""Side of the square fp32 GEMM timed between the runs: the size class of the tiny models'
+matmuls (64-256 wide), on the calibration's cold-operand loop (calibration.kernels)."""
+
+
+def drift_probe() -> dict[str, float]:
+    """The host-bound figures of this machine now, as `mosaic calibrate` measures them on cpu
+    (one thread): seconds per eager op with autograd (calibration.eager_ops.eager_op_seconds),
+    seconds a DTensor op adds (dtensor_op_samples, median of 3) and the rate of a cold square
+    fp32 GEMM of PROBE_GEMM_SIZE (calibration.kernels). About 1 s in all."""
+    import numpy as np
     import torch
 
-    from calibration.eager_ops import eager_op_seconds
+    from calibration.eager_ops import dtensor_op_samples, eager_op_seconds
+    from calibration.kernels import KernelPoint, prepare_point
+    from calibration.timing import Budget, time_call
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return eager_op_seconds(repeats=15, max_seconds=0.5)[0]
+        n = PROBE_GEMM_SIZE
+        gemm = prepare_point(KernelPoint("gemm", "fp32", {"M": n, "N": n, "K": n}), torch.device("cpu"))
+        gemm_s = time_call(gemm.fn, torch.device("cpu"), Budget(warmup=2, min_repeats=10, max_repeats=60,
+                                                                max_seconds=0.15)).median_s
+        return {"launch_latency_s": eager_op_seconds(repeats=15, max_seconds=0.5)[0],
+                "dtensor_op_latency_s": float(np.median(dtensor_op_samples(3)[0])),
+                "gemm_flops_per_s": gemm.flops / gemm_s}
     finally:
         torch.set_num_threads(threads)
 
 
-def interleaved_cluster(calibrated: Path, launch_latency_s: float, samples: int, folder: Path) -> Path:
-    """The calibrated cluster with launch_latency_s = the median per-op cost sampled between the runs."""
-    from perfmodel.clusters import resolve_cluster_path
+def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder: Path) -> Path:
+    """The calibrated cluster with its host-bound figures as they were while the runs ran: the
+    medians of `drift_probe` taken before each run and after the last replace the per-op and
+    DTensor-op costs; the checkpoint costs (Python and autograd work, like an eager op) scale by
+    the per-op ratio (median / calibrated); the fp32 GEMM efficiency curve scales by the probe
+    GEMM's median rate over the calibrated curve's rate at its size."""
+    import numpy as np
+
+    from perfmodel.clusters import load_cluster, resolve_cluster_path
     from perfmodel.specs.strict import read_yaml, write_yaml_atomic
 
-    data = read_yaml(resolve_cluster_path(str(calibrated)))
+    path = resolve_cluster_path(str(calibrated))
+    data = read_yaml(path)
+    accelerator = load_cluster(str(path)).accelerator
+    medians = {key: float(np.median([p[key] for p in probes])) for key in probes[0]}
     acc = data["accelerator"]
-    acc["launch_latency_s"] = float(f"{launch_latency_s:.4g}")
-    acc.setdefault("sources", {})["launch_latency_s"] = (
-        f"median of {samples} measurements of calibration.eager_ops.eager_op_seconds taken before each trainer run "
-        f"of benchmarks/fidelity.py and after the last (the machine's load changes within minutes); base: {calibrated}")
+    sources = acc.setdefault("sources", {})
+    basis = (f"median of {len(probes)} drift probes (benchmarks/fidelity.py drift_probe) taken before each "
+             f"trainer run and after the last; base: {calibrated}")
+    host_ratio = medians["launch_latency_s"] / accelerator.launch_latency_s
+    for key in ("launch_latency_s", "dtensor_op_latency_s"):
+        acc[key] = float(f"{medians[key]:.4g}")
+        sources[key] = basis
+    for key in ("checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s"):
+        acc[key] = float(f"{getattr(accelerator, key) * host_ratio:.4g}")
+        sources[key] = f"calibrated figure x {host_ratio:.3f}, the per-op cost's drift ({basis})"
+    flops = 2.0 * PROBE_GEMM_SIZE ** 3
+    calibrated_rate = accelerator.peak("fp32") * float(accelerator.compute_curve("fp32")(flops))
+    gemm_ratio = medians["gemm_flops_per_s"] / calibrated_rate
+    curve = acc["compute_efficiency"]["fp32"]
+    curve["values"] = [float(f"{min(1.0, v * gemm_ratio):.4g}") for v in curve["values"]]
+    curve["source"] = f"{curve.get('source', '')}; scaled x {gemm_ratio:.3f}, a cold {PROBE_GEMM_SIZE}^3 GEMM's drift ({basis})"
     out = folder / "calibrated_interleaved.yaml"
     write_yaml_atomic(out, data)
     return out
@@ -295,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4,
                         help="split the steps over this many rounds through all configurations (a burst of load from "
                              "other jobs then lands on several configurations a little, not on one entirely)")
+    parser.add_argument("--round-seconds", type=float, default=2.0,
+                        help="rounds after the first step for at least this long (steps from the first round's median "
+                             "step time): the machine's speed changes within a second, and a longer round averages it")
     parser.add_argument("--configs", default="all", help="'all', 'smoke' (2 configurations) or comma-separated names")
     parser.add_argument("--cluster", default=None, help="use this (calibrated) cluster instead of calibrating")
     parser.add_argument("--base", default=None, help="base cluster to calibrate (default: cpu_local on cpu, from the GPU "
@@ -329,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps: need at least 3 (the first is warm-up)")
     if args.rounds < 1:
         parser.error("--rounds: need at least 1")
+    if not args.round_seconds >= 0:
+        parser.error("--round-seconds: need a number >= 0 (0: every round runs --steps / --rounds steps)")
     if args.recalibrate and args.cluster:
         parser.error("--recalibrate: calibrates this machine twice; drop --cluster, or drop --recalibrate to use that file")
 
@@ -349,18 +409,23 @@ def main(argv: list[str] | None = None) -> int:
         if stale.is_dir() and stale.name not in {c[0] for c in chosen}:
             shutil.rmtree(stale)
     wall: dict[str, float] = {}
-    op_samples: list[float] = []
+    probes: list[dict] = []
     interleave = args.device == "cpu" and not args.no_interleave
     per_round = max(3, args.steps // args.rounds)
+    steps_in_round: dict[str, int] = {}
+    reused = {c[0] for c in chosen if args.reuse_runs and (runs / c[0] / "metrics.jsonl").is_file()}
     for round_index in range(args.rounds):
         for name, model, layout, ranks in chosen:
-            if args.reuse_runs and (runs / name / "metrics.jsonl").is_file():
+            if name in reused:
                 continue
             if interleave:
-                op_samples.append(eager_op_sample())
+                probes.append({"before": name, "round": round_index, **drift_probe()})
             wall[name] = wall.get(name, 0.0) + train(
-                name, model, f"{layout},precision=fp32" if args.device == "cpu" else layout, ranks, per_round,
-                args.device, cluster_path, runs, round_index)
+                name, model, f"{layout},precision=fp32" if args.device == "cpu" else layout, ranks,
+                steps_in_round.get(name, per_round), args.device, cluster_path, runs, round_index)
+            if round_index == 0:  # later rounds step for at least --round-seconds
+                steps_in_round[name] = steps_for_seconds(float(np.median(round_times(runs / name)[0])), per_round,
+                                                         args.round_seconds)
             print(f"trained {name:<20} ({ranks} rank{'s' if ranks > 1 else ''}) round {round_index + 1}/{args.rounds} "
                   f"in {wall[name]:.1f} s", flush=True)
     load_after = os.getloadavg()
@@ -368,10 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         after = calibrate(args.device, folder, args.base, "calibrated_after.yaml")
         cluster_path = bracketed_cluster(cluster_path, after, folder)
         cluster = load_cluster(str(cluster_path))
-    calibrated_launch_s = cluster.accelerator.launch_latency_s
-    if op_samples:  # the per-op host cost as it was while the runs ran (see module doc)
-        op_samples.append(eager_op_sample())
-        cluster_path = interleaved_cluster(cluster_path, float(np.median(op_samples)), len(op_samples), folder)
+    calibrated_cluster = cluster
+    if probes:  # the host-bound figures as they were while the runs ran (see module doc)
+        probes.append({"before": None, "round": None, **drift_probe()})
+        figures = [{k: v for k, v in p.items() if k not in ("before", "round")} for p in probes]
+        cluster_path = interleaved_cluster(cluster_path, figures, folder)
         cluster = load_cluster(str(cluster_path))
 
     found = {r.name: r for r in discover_runs(runs)}
@@ -380,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     predicted = predict(cluster, run_list)
     measured = np.array([r.measured_step_time_s for r in run_list])
     errors = predicted / measured - 1.0
+    predicted_calibrated = predict(calibrated_cluster, run_list)  # the calibration alone, without the probes
 
     refit_path = folder / "refit.yaml"
     summary = json.loads(mosaic("calibrate", "--from-runs", str(runs), "--cluster", str(cluster_path),
@@ -389,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     relative_ses = []
-    for (name, model, layout, ranks), run, p, e in zip(order, run_list, predicted, errors):
+    for (name, model, layout, ranks), run, p, e, p_cal in zip(order, run_list, predicted, errors, predicted_calibrated):
         per_round = round_times(runs / name)
         rounds = [float(np.median(times)) for times in per_round]
         relative_ses.append(bootstrap_relative_se(per_round))
@@ -397,15 +464,20 @@ def main(argv: list[str] | None = None) -> int:
                      "round_medians_s": rounds, "round_spread": max(rounds) / min(rounds),
                      "measured_relative_se": _finite_or_none(relative_ses[-1]),
                      "measured_step_time_s": float(run.measured_step_time_s), "predicted_s": float(p),
-                     "error": float(e), "predicted_loo_s": loo.get(name),
+                     "error": float(e), "predicted_calibrated_s": float(p_cal),
+                     "error_calibrated": float(p_cal / run.measured_step_time_s - 1.0), "predicted_loo_s": loo.get(name),
                      "error_loo": (loo[name] / run.measured_step_time_s - 1.0) if loo.get(name) else None})
     mape_before = float(np.mean(np.abs(errors)))
     result = {
         "device": args.device, "cluster": str(cluster_path), "steps": args.steps,
         "load_average_before": [round(x, 2) for x in load_before], "load_average_after": [round(x, 2) for x in load_after],
         "cpu_count": os.cpu_count(), "configs": rows,
-        "launch_latency_s": {"calibrated": calibrated_launch_s, "used": cluster.accelerator.launch_latency_s,
-                             "interleaved_samples": op_samples},
+        "drift_probes": probes,
+        "host_figures_s": {key: {"calibrated": getattr(calibrated_cluster.accelerator, key),
+                                 "used": getattr(cluster.accelerator, key)}
+                           for key in ("launch_latency_s", "dtensor_op_latency_s", "checkpoint_region_latency_s",
+                                       "checkpoint_saved_tensor_latency_s")},
+        "mape_before_calibration_alone": float(np.mean(np.abs(predicted_calibrated / measured - 1.0))),
         "mape_before": mape_before, "max_abs_error_before": float(np.max(np.abs(errors))),
         "kendall_tau_before": kendall(list(predicted), list(measured)),
         "refit": {"fitted": summary["fitted"], "factors": summary["factors"], "fixed": summary["fixed"],
@@ -436,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; from that noise alone a perfect model would show a MAPE of about {floor:.1%} (bootstrap over rounds; "
              "the calibration's own noise comes on top)" if floor is not None else ""))
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after the runs ({os.cpu_count()} cores)")
+    if probes:
+        print(f"with the calibration alone (no drift probes) the MAPE before refit would be "
+              f"{result['mape_before_calibration_alone']:.1%}; probes' medians: "
+              + ", ".join(f"{k} {v['calibrated']:.3g} -> {v['used']:.3g}" for k, v in result["host_figures_s"].items()))
     print(f"max |error| before refit: {result['max_abs_error_before']:.1%}; Kendall tau: {result['kendall_tau_before']:.3f} "
           f"before, {result['kendall_tau_after_loo']:.3f} after (LOO); refit factors {summary['factors']}")
     print(f"wrote {json_path} and {png_path}")

@@ -28,7 +28,7 @@ _spec.loader.exec_module(fidelity)
 def test_reduced_fidelity_run_writes_json_png_and_last_lines(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--device", "cpu", "--configs", "smoke", "--steps", "6", "--rounds", "2",
+        [sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--device", "cpu", "--configs", "smoke", "--steps", "6", "--rounds", "2", "--round-seconds", "0.3",
          "--cluster", "cpu_local", "--out-dir", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -51,16 +51,30 @@ def test_reduced_fidelity_run_writes_json_png_and_last_lines(tmp_path: Path) -> 
     # the printed figures are the JSON's
     assert lines[-2] == f"MAPE before refit: {result['mape_before'] * 100:.1f}%"
     assert lines[-1] == f"MAPE after refit (leave-one-out): {result['mape_after_loo'] * 100:.1f}%"
-    # the per-op cost was re-measured before each of the 2 x 2 runs and after the last, and used
-    samples = result["launch_latency_s"]["interleaved_samples"]
-    assert len(samples) == 5 and all(s > 0 for s in samples)
-    assert result["launch_latency_s"]["used"] == pytest.approx(sorted(samples)[2], rel=1e-3)
-    # two rounds of 3 steps pooled into one run folder, the second without its warm-up steps,
-    # steps numbered on
-    metrics = (tmp_path / "fidelity_cpu" / "runs" / "moe_1r_mbs2" / "metrics.jsonl").read_text().splitlines()
-    kept = 3 + (3 - fidelity.ROUND_WARMUP_STEPS)
-    assert [json.loads(line)["step"] for line in metrics] == list(range(1, kept + 1))
-    assert [json.loads(line).get("round", 0) for line in metrics] == [0] * 3 + [1] * (kept - 3)
+    # the host-bound figures were probed before each of the 2 x 2 runs and after the last, and used
+    probes = result["drift_probes"]
+    assert [p["before"] for p in probes] == ["moe_1r_mbs2", "dense_1r_mbs2"] * 2 + [None]
+    for key in ("launch_latency_s", "dtensor_op_latency_s"):
+        samples = sorted(p[key] for p in probes)
+        assert samples[0] > 0
+        assert result["host_figures_s"][key]["used"] == pytest.approx(samples[2], rel=1e-3)
+    assert all(p["gemm_flops_per_s"] > 1e8 for p in probes)
+    for row in result["configs"]:
+        assert row["error_calibrated"] == pytest.approx(row["predicted_calibrated_s"] / row["measured_step_time_s"] - 1.0)
+    assert result["mape_before_calibration_alone"] == pytest.approx(
+        np.mean([abs(row["error_calibrated"]) for row in result["configs"]]))
+    # two rounds pooled into one run folder: 3 steps, then steps for about 0.3 s at the first
+    # round's median (at least 3), the second without its warm-up steps; steps numbered on
+    for row in result["configs"]:
+        metrics = [json.loads(line) for line in
+                   (tmp_path / "fidelity_cpu" / "runs" / row["name"] / "metrics.jsonl").read_text().splitlines()]
+        first = [m["step_time_s"] for m in metrics if "round" not in m]
+        assert len(first) == 3
+        second = fidelity.steps_for_seconds(float(np.median(first[1:])), 3, 0.3)  # first round less its warm-up
+        kept = 3 + second - fidelity.ROUND_WARMUP_STEPS
+        assert [m["step"] for m in metrics] == list(range(1, kept + 1))
+        assert [m.get("round", 0) for m in metrics] == [0] * 3 + [1] * (kept - 3)
+        assert row["steps_used"] == kept - 1  # the first process's first step is warm-up, the rest pooled
     assert not list((tmp_path / "fidelity_cpu" / "runs").glob("*.round*"))
     assert len(result["load_average_before"]) == 3
     # one median per round (round 0 without its first step), and their disagreement
@@ -91,6 +105,34 @@ def test_bootstrap_standard_error_of_the_pooled_median_follows_the_rounds_disagr
     assert 0.0 < se_close < se_apart
     assert 0.005 < se_close < 0.05  # rounds about 3% apart: a pooled median good to a few percent
     assert fidelity.bootstrap_relative_se(close) == se_close  # seeded: the report is reproducible
+
+
+def test_rounds_step_for_the_seconds_asked_within_bounds() -> None:
+    warm = fidelity.ROUND_WARMUP_STEPS
+    assert fidelity.steps_for_seconds(0.02, 12, 2.0) == 100 + warm
+    assert fidelity.steps_for_seconds(0.5, 12, 2.0) == 12  # slow steps: the --steps share is the floor
+    assert fidelity.steps_for_seconds(1e-6, 12, 2.0) == fidelity.MAX_STEPS_PER_ROUND
+    assert fidelity.steps_for_seconds(float("nan"), 12, 2.0) == 12
+    assert fidelity.steps_for_seconds(0.02, 12, 0.0) == 12  # --round-seconds 0: the plain split
+
+
+def test_drift_probes_replace_the_host_figures_and_scale_the_rest(tmp_path: Path) -> None:
+    from perfmodel.clusters import load_cluster
+
+    base = load_cluster("cpu_local").accelerator
+    flops = 2.0 * fidelity.PROBE_GEMM_SIZE ** 3
+    calibrated_rate = base.peak("fp32") * float(base.compute_curve("fp32")(flops))
+    probes = [{"launch_latency_s": base.launch_latency_s * r, "dtensor_op_latency_s": 1e-4 * r,
+               "gemm_flops_per_s": calibrated_rate / r} for r in (1.0, 2.0, 9.0)]  # median: twice as slow
+    used = load_cluster(str(fidelity.interleaved_cluster(Path("cpu_local"), probes, tmp_path))).accelerator
+    assert used.launch_latency_s == pytest.approx(2 * base.launch_latency_s, rel=1e-3)
+    assert used.dtensor_op_latency_s == pytest.approx(2e-4, rel=1e-3)
+    assert used.checkpoint_region_latency_s == pytest.approx(2 * base.checkpoint_region_latency_s, rel=1e-3)
+    assert used.checkpoint_saved_tensor_latency_s == pytest.approx(2 * base.checkpoint_saved_tensor_latency_s, rel=1e-3)
+    assert used.compute_efficiency["fp32"].values == pytest.approx(
+        [v / 2 for v in base.compute_efficiency["fp32"].values], rel=1e-3)
+    assert used.compute_efficiency["bf16"].values == base.compute_efficiency["bf16"].values  # not probed
+    assert "drift probes" in used.sources["dtensor_op_latency_s"]
 
 
 def test_calibrations_before_and_after_the_runs_merge_by_geometric_mean(tmp_path: Path) -> None:
