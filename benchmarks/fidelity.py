@@ -63,8 +63,13 @@ TINY_DENSE = dict(TINY_MOE, n_experts=0, top_k=0, n_shared_experts=0, d_expert=0
 """The same trunk with a dense FFN in both layers."""
 WIDE_MOE = dict(TINY_MOE, d_model=128, head_dim=32, d_expert=64, d_ff_dense=256, seq_len=64)
 """A wider MoE (4x the GEMM FLOPs per token), so compute is not negligible beside dispatch."""
+WIDE_DENSE = dict(WIDE_MOE, n_experts=0, top_k=0, n_shared_experts=0, d_expert=0, n_dense_layers=2)
+"""The wide trunk with a dense FFN (256 wide) in both layers: the most GEMM-bound configuration.
+With wide_moe it makes two runs that pin the GEMM efficiency, so the leave-one-out refit still
+sees compute when one of them is left out (with one, the dispatch-bound rest cannot tell GEMM
+efficiency from per-op cost)."""
 
-MODELS = {"moe": TINY_MOE, "dense": TINY_DENSE, "wide_moe": WIDE_MOE}
+MODELS = {"moe": TINY_MOE, "dense": TINY_DENSE, "wide_moe": WIDE_MOE, "wide_dense": WIDE_DENSE}
 
 CONFIGS: list[tuple[str, str, str, int]] = [
     # (name, model, layout, ranks)
@@ -75,6 +80,7 @@ CONFIGS: list[tuple[str, str, str, int]] = [
     ("moe_1r_selective", "moe", "mbs=2,gbs=4,recompute=selective", 1),
     ("dense_1r_mbs2", "dense", "mbs=2,gbs=4", 1),
     ("wide_moe_1r_mbs2", "wide_moe", "mbs=2,gbs=4", 1),
+    ("wide_dense_1r_mbs2", "wide_dense", "mbs=2,gbs=4", 1),
     ("dense_2r_dp2", "dense", "dp=2,mbs=2,gbs=8,dp_flavor=ddp", 2),
     ("moe_2r_dp2_ep2", "moe", "dp=2,ep=2,mbs=2,gbs=8,dp_flavor=ddp", 2),
     ("moe_2r_tp2", "moe", "tp=2,mbs=2,gbs=4", 2),
