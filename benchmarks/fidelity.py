@@ -17,13 +17,15 @@
 2. For each configuration (tiny MoE and dense models on 1, 2 and 4 ranks covering dp, ep,
    tp, pp, mbs and recompute) predict the step time with `perfmodel.evaluate` on the
    calibrated cluster, and run the bundled trainer (`mosaic train`, torchrun + gloo on cpu,
-   one thread per rank) for `--steps` steps, split over `--rounds` rounds through all
-   configurations (each round a fresh `mosaic train`, its metrics after its first
-   `ROUND_WARMUP_STEPS` appended to the first round's metrics.jsonl). The measured step time
+   one thread per rank) in `--rounds` rounds through all configurations: the first of
+   `--steps / --rounds` steps, the later ones stepping for at least `--round-seconds` (steps
+   from the first round's median step time; each round a fresh `mosaic train`, its metrics
+   after its first `ROUND_WARMUP_STEPS` appended to the first round's metrics.jsonl). The measured step time
    is the median after warm-up, the same definition `mosaic calibrate --from-runs` uses
    (`calibration.from_runs.load_run`, which drops the first round's warm-up). On a shared
-   machine a whole round can run slower or faster (other jobs, the scheduler's placement of
-   the ranks): several short rounds let the median span those states.
+   machine the speed changes within seconds (other jobs; one process's 2-second windows
+   measured 16-27 ms for the same step): several rounds of a couple of seconds each let the
+   median span those states.
 3. Report per-configuration error (predicted/measured - 1), MAPE, max |error| and Kendall
    tau of the ranking (scipy.stats.kendalltau), how far each configuration's round medians
    disagree (max/min), and the standard error of each measured median (bootstrap over rounds)
@@ -324,6 +326,7 @@ def scatter(path: Path, rows: list[dict], title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
     meas = [r["measured_step_time_s"] * 1e3 for r in rows]
@@ -338,6 +341,10 @@ def scatter(path: Path, rows: list[dict], title: str) -> None:
     ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey", alpha=0.15, label="±15%")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # plain 10, 20, 50, ... ms: no overlapping 2x10^1-style minor labels
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("measured step time (ms, median after warm-up)")
     ax.set_ylabel("predicted step time (ms)")
     ax.set_title(title, fontsize=9)
@@ -352,7 +359,7 @@ def scatter(path: Path, rows: list[dict], title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
-    parser.add_argument("--steps", type=int, default=48, help="trainer steps per configuration (median after warm-up)")
+    parser.add_argument("--steps", type=int, default=48, help="trainer steps per configuration split over the rounds (later rounds may step longer: --round-seconds)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="split the steps over this many rounds through all configurations (a burst of load from "
                              "other jobs then lands on several configurations a little, not on one entirely)")
