@@ -302,9 +302,11 @@ def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder
     flops = 2.0 * PROBE_GEMM_SIZE ** 3
     calibrated_rate = accelerator.peak("fp32") * float(accelerator.compute_curve("fp32")(flops))
     gemm_ratio = medians["gemm_flops_per_s"] / calibrated_rate
-    curve = acc["compute_efficiency"]["fp32"]
-    curve["values"] = [float(f"{min(1.0, v * gemm_ratio):.4g}") for v in curve["values"]]
-    curve["source"] = f"{curve.get('source', '')}; scaled x {gemm_ratio:.3f}, a cold {PROBE_GEMM_SIZE}^3 GEMM's drift ({basis})"
+    curve = acc["compute_efficiency"].get("fp32")
+    if curve is not None:  # the curve the probe measured (a base file without one keeps what it has)
+        curve["values"] = [float(f"{min(1.0, v * gemm_ratio):.4g}") for v in curve["values"]]
+        curve["source"] = (f"{curve.get('source', '')}; scaled x {gemm_ratio:.3f}, a cold {PROBE_GEMM_SIZE}^3 GEMM's "
+                           f"drift ({basis})")
     out = folder / "calibrated_interleaved.yaml"
     write_yaml_atomic(out, data)
     return out
@@ -359,7 +361,9 @@ def scatter(path: Path, rows: list[dict], title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
-    parser.add_argument("--steps", type=int, default=48, help="trainer steps per configuration split over the rounds (later rounds may step longer: --round-seconds)")
+    parser.add_argument("--steps", type=int, default=48,
+                        help="trainer steps per configuration, split over the rounds (later rounds may step longer: "
+                             "--round-seconds)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="split the steps over this many rounds through all configurations (a burst of load from "
                              "other jobs then lands on several configurations a little, not on one entirely)")

@@ -163,6 +163,7 @@ def test_calibrations_before_and_after_the_runs_merge_by_geometric_mean(tmp_path
 @pytest.mark.parametrize("args, message", [
     (["--configs", "nope"], "unknown nope"),
     (["--recalibrate"], "drop --cluster"),  # a given cluster file cannot be calibrated twice
+    (["--round-seconds", "nan"], "need a number >= 0"),
 ])
 def test_bad_arguments_are_refused_before_any_run(tmp_path: Path, args: list[str], message: str) -> None:
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), *args,
