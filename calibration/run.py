@@ -56,7 +56,14 @@ def run_kernels(device_kind: str, quick: bool, threads: Optional[int], progress:
     """Time the kernel grid; returns (rows, notes, device name)."""
     import torch
 
-    from calibration.kernels import grouped_impl, kernel_plan, main_precision, run_points, supported_precisions
+    from calibration.kernels import (
+        cpu_has_native_bf16,
+        grouped_impl,
+        kernel_plan,
+        main_precision,
+        run_points,
+        supported_precisions,
+    )
     from calibration.timing import Budget, device_name, resolve_device
 
     device = resolve_device(device_kind, local_rank)
@@ -66,6 +73,10 @@ def run_kernels(device_kind: str, quick: bool, threads: Optional[int], progress:
     try:
         precisions, skipped = supported_precisions(device)
         notes = {f"skipped_{p}": why for p, why in skipped.items()}
+        if device.type == "cpu" and "bf16" in precisions and cpu_has_native_bf16() is False:
+            notes["bf16_emulated"] = ("this CPU has no bf16 GEMM units (no avx512_bf16 / amx_bf16 flag): torch emulates "
+                                      "bf16 at a few GFLOP/s, far below fp32; its curve is measured but depends on shape, "
+                                      "not only size. Plan and train in fp32 here")
         impl, why = grouped_impl(device, {"fp32": torch.float32, "bf16": torch.bfloat16}[main_precision(precisions)])
         notes["grouped_gemm_impl"] = impl if not why else f"{impl}: {why}"
         budget = Budget(warmup=1, min_repeats=9, max_repeats=25, max_seconds=0.2) if quick else Budget()

@@ -12,6 +12,7 @@ from calibration.kernels import (
     KernelPoint,
     _cold_operand_copies,
     _gemm_fn,
+    cpu_has_native_bf16,
     expert_token_counts,
     grouped_impl,
     grouped_mm_bmm,
@@ -103,3 +104,17 @@ def test_measurements_csv_round_trip(tmp_path):
 
     with pytest.raises(InputError, match="line 2"):
         read_csv(path)
+
+
+@pytest.mark.parametrize(("flags", "native"), [
+    ("fpu sse2 avx2 fma avx512f avx512_bf16", True),  # AMD Zen 4 / Intel Cooper Lake
+    ("fpu sse2 avx2 fma avx512f amx_bf16 amx_tile", True),  # Intel Sapphire Rapids
+    ("fpu sse2 avx2 fma", False),  # AMD Zen 3: bf16 is emulated
+])
+def test_native_bf16_is_told_from_the_cpu_flags(flags, native):
+    cpuinfo = f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    assert cpu_has_native_bf16(cpuinfo) is native
+
+
+def test_native_bf16_is_unknown_without_x86_flags():
+    assert cpu_has_native_bf16("processor\t: 0\nFeatures\t: fp asimd bf16\n") is None
