@@ -330,16 +330,15 @@ def _measurement(prepared: Prepared, device: torch.device, stats: Any) -> Measur
                                   stats, impl=prepared.impl)
 
 
-def _launch_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
+def _launch_samples(point: KernelPoint, device: torch.device, budget: Budget) -> tuple[list[float], dict[str, float]]:
+    """(seconds per launch of each repeat, the point's shape as measured) of the launch point."""
     if device.type == "cpu":
         # The CPU model multiplies the eager ops of a training step by this figure
         # (perfmodel.eager): time an eager block forward + backward with autograd, per op.
         from calibration.eager_ops import eager_op_step
 
         step, ops = eager_op_step()
-        samples = time_samples(step, device, budget)
-        stats = summarize([s / ops for s in samples])
-        return Measurement.from_stats(point.kind, device.type, point.precision, {"batch": ops}, 0.0, 0.0, stats)
+        return [s / ops for s in time_samples(step, device, budget)], {"batch": ops}
     x = torch.zeros(1, device=device)
     batch = int(point.shape["batch"])
 
@@ -349,9 +348,16 @@ def _launch_point(point: KernelPoint, device: torch.device, budget: Budget) -> M
         synchronize(device)
 
     # Host clock on purpose: dispatch cost is host time (kernels this small are not the bound).
-    samples = time_samples(launches, torch.device("cpu"), budget)
-    stats = summarize([s / batch for s in samples])
-    return Measurement.from_stats(point.kind, device.type, point.precision, dict(point.shape), 0.0, 0.0, stats)
+    return [s / batch for s in time_samples(launches, torch.device("cpu"), budget)], dict(point.shape)
+
+
+def _launch_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
+    samples, shape = _launch_samples(point, device, budget)
+    return Measurement.from_stats(point.kind, device.type, point.precision, shape, 0.0, 0.0, summarize(samples))
+
+
+LAUNCH_SLICE_MIN_REPEATS = 3
+"""Repeats of each slice of the launch point that `run_points` spreads over the whole grid."""
 
 
 def _dtensor_point(point: KernelPoint, budget: Budget) -> Measurement:
@@ -405,14 +411,35 @@ def run_points(points: list[KernelPoint], device: torch.device, budget: Budget,
     from other jobs lands on many points a little rather than on one point
     entirely (the curve keeps its shape on a busy host). A group stops adding
     rounds once min_repeats are done and it has used max_seconds per point.
+    Launch points are timed in slices before every other group and after the last.
     """
     groups: dict[tuple[str, str], list[KernelPoint]] = {}
     for point in points:
         groups.setdefault((point.kind, point.precision), []).append(point)
     results: dict[int, Measurement] = {}
     index = {id(p): i for i, p in enumerate(points)}
+    # The launch latency is a host cost that moves with the host's load within seconds (on a
+    # shared 2-core VM an eager op measured 8 us in one 0.2 s sample and 14 us in the next): it
+    # is sampled in short slices before every other group and after the last, and summarized
+    # over all of them, so it stands for the whole calibration rather than one moment.
+    launch = [p for p in points if p.kind == "launch"]
+    spread: dict[int, tuple[list[float], dict[str, float]]] = {id(p): ([], {}) for p in launch}
+    slices = max(1, len([key for key in groups if key[0] != "launch"]) + 1)
+    slice_budget = Budget(warmup=1, min_repeats=max(LAUNCH_SLICE_MIN_REPEATS, -(-budget.min_repeats // slices)),
+                          max_repeats=max(LAUNCH_SLICE_MIN_REPEATS, -(-budget.max_repeats // slices)),
+                          max_seconds=budget.max_seconds / slices)
+
+    def sample_launch() -> None:
+        for point in launch:
+            samples, shape = _launch_samples(point, device, slice_budget)
+            spread[id(point)][0].extend(samples)
+            spread[id(point)][1].update(shape)
+
     for (kind, _), group in groups.items():
-        if kind in ("launch", "dtensor_op", "checkpoint_region", "checkpoint_saved_tensor"):
+        if kind == "launch":
+            continue
+        sample_launch()
+        if kind in ("dtensor_op", "checkpoint_region", "checkpoint_saved_tensor"):
             for point in group:
                 results[index[id(point)]] = run_point(point, device, budget)
                 if progress:
@@ -437,6 +464,13 @@ def run_points(points: list[KernelPoint], device: torch.device, budget: Budget,
         del prepared
         if progress:
             progress(len(group))
+    sample_launch()
+    for point in launch:
+        samples, shape = spread[id(point)]
+        results[index[id(point)]] = Measurement.from_stats(point.kind, device.type, point.precision, shape, 0.0, 0.0,
+                                                           summarize(samples))
+        if progress:
+            progress(1)
     return [results[i] for i in range(len(points))]
 
 

@@ -118,3 +118,28 @@ def test_native_bf16_is_told_from_the_cpu_flags(flags, native):
 
 def test_native_bf16_is_unknown_without_x86_flags():
     assert cpu_has_native_bf16("processor\t: 0\nFeatures\t: fp asimd bf16\n") is None
+
+
+def test_launch_latency_is_sampled_across_the_whole_grid(monkeypatch):
+    """The launch point is timed in a slice before each other group and after the last (the host's
+    speed moves within seconds), and its row pools every slice's repeats."""
+    import calibration.kernels as kernels
+
+    device = torch.device("cpu")
+    order: list[str] = []
+    real = kernels._launch_samples
+
+    def recording(point, device, budget):
+        order.append("launch")
+        return real(point, device, budget)
+
+    monkeypatch.setattr(kernels, "_launch_samples", recording)
+    real_prepare = kernels.prepare_point
+    monkeypatch.setattr(kernels, "prepare_point", lambda point, device: (order.append(point.kind), real_prepare(point, device))[1])
+    points = [KernelPoint("launch", "fp32", {"batch": 10}), KernelPoint("gemm", "fp32", {"M": 16, "N": 16, "K": 16}),
+              KernelPoint("gemm", "fp32", {"M": 32, "N": 16, "K": 16}), KernelPoint("mem_copy", "fp32", {"bytes": 4096})]
+    rows = kernels.run_points(points, device, Budget(warmup=1, min_repeats=3, max_repeats=3))
+    assert order == ["launch", "gemm", "gemm", "launch", "mem_copy", "launch"]
+    assert [r.kind for r in rows] == ["launch", "gemm", "gemm", "mem_copy"]  # the points' order
+    assert rows[0].repeats == 3 * kernels.LAUNCH_SLICE_MIN_REPEATS and rows[0].median_s > 0
+    assert rows[0].shape.startswith("batch=")  # on cpu: the eager ops per sample
