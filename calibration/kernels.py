@@ -351,9 +351,13 @@ def _launch_samples(point: KernelPoint, device: torch.device, budget: Budget) ->
     return [s / batch for s in time_samples(launches, torch.device("cpu"), budget)], dict(point.shape)
 
 
-def _launch_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
-    samples, shape = _launch_samples(point, device, budget)
+def _launch_row(point: KernelPoint, device: torch.device, samples: list[float], shape: dict[str, float]) -> Measurement:
+    """The launch point's row from its per-launch samples."""
     return Measurement.from_stats(point.kind, device.type, point.precision, shape, 0.0, 0.0, summarize(samples))
+
+
+def _launch_point(point: KernelPoint, device: torch.device, budget: Budget) -> Measurement:
+    return _launch_row(point, device, *_launch_samples(point, device, budget))
 
 
 LAUNCH_SLICE_MIN_REPEATS = 3
@@ -423,17 +427,17 @@ def run_points(points: list[KernelPoint], device: torch.device, budget: Budget,
     # is sampled in short slices before every other group and after the last, and summarized
     # over all of them, so it stands for the whole calibration rather than one moment.
     launch = [p for p in points if p.kind == "launch"]
-    spread: dict[int, tuple[list[float], dict[str, float]]] = {id(p): ([], {}) for p in launch}
-    slices = max(1, len([key for key in groups if key[0] != "launch"]) + 1)
+    spread: dict[int, list[float]] = {id(p): [] for p in launch}
+    shapes: dict[int, dict[str, float]] = {}
+    slices = len([key for key in groups if key[0] != "launch"]) + 1
     slice_budget = Budget(warmup=1, min_repeats=max(LAUNCH_SLICE_MIN_REPEATS, -(-budget.min_repeats // slices)),
                           max_repeats=max(LAUNCH_SLICE_MIN_REPEATS, -(-budget.max_repeats // slices)),
                           max_seconds=budget.max_seconds / slices)
 
     def sample_launch() -> None:
         for point in launch:
-            samples, shape = _launch_samples(point, device, slice_budget)
-            spread[id(point)][0].extend(samples)
-            spread[id(point)][1].update(shape)
+            samples, shapes[id(point)] = _launch_samples(point, device, slice_budget)
+            spread[id(point)].extend(samples)
 
     for (kind, _), group in groups.items():
         if kind == "launch":
@@ -466,9 +470,7 @@ def run_points(points: list[KernelPoint], device: torch.device, budget: Budget,
             progress(len(group))
     sample_launch()
     for point in launch:
-        samples, shape = spread[id(point)]
-        results[index[id(point)]] = Measurement.from_stats(point.kind, device.type, point.precision, shape, 0.0, 0.0,
-                                                           summarize(samples))
+        results[index[id(point)]] = _launch_row(point, device, spread[id(point)], shapes[id(point)])
         if progress:
             progress(1)
     return [results[i] for i in range(len(points))]
