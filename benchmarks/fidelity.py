@@ -9,7 +9,7 @@
    its one trial (docs/validation.md) the first calibration alone predicted better.
    On cpu the machine's host-bound figures are probed again before each trainer run and after
    the last (`drift_probe`, about 1 s: the per-op cost of an eager op with autograd, the cost a
-   DTensor op adds, a cold 128^3 fp32 GEMM's rate) and their medians over the whole benchmark
+   DTensor op adds, a cold 128^3 fp32 GEMM's rate) and their means over the whole benchmark
    replace the calibrated figures (`interleaved_cluster`; `--no-interleave` keeps the
    calibration alone): other jobs on a shared machine change its speed within minutes, and
    both sides of the comparison must see the same machine. The MAPE with the calibration
@@ -21,14 +21,14 @@
    `--steps / --rounds` steps, the later ones stepping for at least `--round-seconds` (steps
    from the first round's median step time; each round a fresh `mosaic train`, its metrics
    after its first `ROUND_WARMUP_STEPS` appended to the first round's metrics.jsonl). The measured step time
-   is the median after warm-up, the same definition `mosaic calibrate --from-runs` uses
-   (`calibration.from_runs.load_run`, which drops the first round's warm-up). On a shared
-   machine the speed changes within seconds (other jobs; one process's 2-second windows
-   measured 16-27 ms for the same step): several rounds of a couple of seconds each let the
-   median span those states.
+   is the mean after warm-up, the same definition `mosaic calibrate --from-runs` uses
+   (`calibration.from_runs.measured_step_time_s`; `load_run` drops the first round's warm-up).
+   On a shared machine the speed changes within seconds (other jobs; one process's 2-second
+   windows measured 16-27 ms for the same step): several rounds of a couple of seconds each let
+   the mean span those states, as the probes' mean does on the model's side.
 3. Report per-configuration error (predicted/measured - 1), MAPE, max |error| and Kendall
-   tau of the ranking (scipy.stats.kendalltau), how far each configuration's round medians
-   disagree (max/min), and the standard error of each measured median (bootstrap over rounds)
+   tau of the ranking (scipy.stats.kendalltau), how far each configuration's round means
+   disagree (max/min), and the standard error of each measured step time (bootstrap over rounds)
    with the MAPE a perfect model would show from that noise alone: a floor under any model's
    error (the calibration's own run-to-run noise comes on top).
 4. Refit the cluster from these runs (`mosaic calibrate --from-runs`) and report its
@@ -188,19 +188,21 @@ def round_times(folder: Path) -> list[list[float]]:
 
 
 def bootstrap_relative_se(rounds: list[list[float]], resamples: int = 2000, seed: int = 0) -> float:
-    """Relative standard error of the pooled median step time, by the bootstrap over rounds
-    (Efron & Tibshirani 1993, ch. 6; rounds, not steps, are the independent samples here: a
-    round's steps share the machine's state; the jackknife is not used because it fails for the
-    median, ch. 11.6): the sd of the pooled median over rounds resampled with replacement, over
-    the pooled median. NaN for a single round."""
+    """Relative standard error of the pooled measured step time (`measured_step_time_s`, the
+    mean), by the bootstrap over rounds (Efron & Tibshirani 1993, ch. 6; rounds, not steps, are
+    the independent samples here: a round's steps share the machine's state): the sd of the
+    pooled statistic over rounds resampled with replacement, over the pooled statistic. NaN for
+    a single round."""
     import numpy as np
+
+    from calibration.from_runs import measured_step_time_s
 
     if len(rounds) < 2:
         return float("nan")
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(rounds), size=(resamples, len(rounds)))
-    medians = [np.median(np.concatenate([rounds[i] for i in pick])) for pick in picks]
-    return float(np.std(medians, ddof=1) / np.median(np.concatenate(rounds)))
+    resampled = [measured_step_time_s(np.concatenate([rounds[i] for i in pick])) for pick in picks]
+    return float(np.std(resampled, ddof=1) / measured_step_time_s(np.concatenate(rounds)))
 
 
 def geometric_mean_figures(first: object, second: object) -> object:
@@ -275,10 +277,15 @@ def drift_probe() -> dict[str, float]:
 
 def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder: Path) -> Path:
     """The calibrated cluster with its host-bound figures as they were while the runs ran: the
-    medians of `drift_probe` taken before each run and after the last replace the per-op and
+    means of `drift_probe` taken before each run and after the last replace the per-op and
     DTensor-op costs; the checkpoint costs (Python and autograd work, like an eager op) scale by
-    the per-op ratio (median / calibrated); the fp32 GEMM efficiency curve scales by the probe
-    GEMM's median rate over the calibrated curve's rate at its size."""
+    the per-op ratio (mean / calibrated); the fp32 GEMM efficiency curve scales by the probe
+    GEMM's mean rate over the calibrated curve's rate at its size. Means, not medians, because
+    the measured step time is a mean (`calibration.from_runs.measured_step_time_s`) and a step's
+    host time is linear in its per-op cost: the mean step over states that come and go is priced
+    by the mean per-op cost over them (a median per-op cost sits in whichever state most probes
+    caught). Over four benchmark runs on the 2-core test machine the MAPE before refit was
+    6.3-8.6% with means on both sides against 9.3-11.8% with medians on both."""
     import numpy as np
 
     from perfmodel.clusters import load_cluster, resolve_cluster_path
@@ -287,21 +294,21 @@ def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder
     path = resolve_cluster_path(str(calibrated))
     data = read_yaml(path)
     accelerator = load_cluster(str(path)).accelerator
-    medians = {key: float(np.median([p[key] for p in probes])) for key in probes[0]}
+    means = {key: float(np.mean([p[key] for p in probes])) for key in probes[0]}
     acc = data["accelerator"]
     sources = acc.setdefault("sources", {})
-    basis = (f"median of {len(probes)} drift probes (benchmarks/fidelity.py drift_probe) taken before each "
+    basis = (f"mean of {len(probes)} drift probes (benchmarks/fidelity.py drift_probe) taken before each "
              f"trainer run and after the last; base: {calibrated}")
-    host_ratio = medians["launch_latency_s"] / accelerator.launch_latency_s
+    host_ratio = means["launch_latency_s"] / accelerator.launch_latency_s
     for key in ("launch_latency_s", "dtensor_op_latency_s"):
-        acc[key] = float(f"{medians[key]:.4g}")
+        acc[key] = float(f"{means[key]:.4g}")
         sources[key] = basis
     for key in ("checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s"):
         acc[key] = float(f"{getattr(accelerator, key) * host_ratio:.4g}")
         sources[key] = f"calibrated figure x {host_ratio:.3f}, the per-op cost's drift ({basis})"
     flops = 2.0 * PROBE_GEMM_SIZE ** 3
     calibrated_rate = accelerator.peak("fp32") * float(accelerator.compute_curve("fp32")(flops))
-    gemm_ratio = medians["gemm_flops_per_s"] / calibrated_rate
+    gemm_ratio = means["gemm_flops_per_s"] / calibrated_rate
     curve = acc["compute_efficiency"].get("fp32")
     if curve is not None:  # the curve the probe measured (a base file without one keeps what it has)
         curve["values"] = [float(f"{min(1.0, v * gemm_ratio):.4g}") for v in curve["values"]]
@@ -347,7 +354,7 @@ def scatter(path: Path, rows: list[dict], title: str) -> None:
         axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         axis.set_major_formatter(ScalarFormatter())
         axis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("measured step time (ms, median after warm-up)")
+    ax.set_xlabel("measured step time (ms, mean after warm-up)")
     ax.set_ylabel("predicted step time (ms)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
@@ -385,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    from calibration.from_runs import discover_runs, predict
+    from calibration.from_runs import discover_runs, measured_step_time_s, predict
     from perfmodel.clusters import load_cluster
     from perfmodel.specs.strict import write_text_atomic
 
@@ -475,10 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     relative_ses = []
     for (name, model, layout, ranks), run, p, e, p_cal in zip(order, run_list, predicted, errors, predicted_calibrated):
         per_round = round_times(runs / name)
-        rounds = [float(np.median(times)) for times in per_round]
+        rounds = [measured_step_time_s(times) for times in per_round]
         relative_ses.append(bootstrap_relative_se(per_round))
         rows.append({"name": name, "model": model, "layout": layout, "ranks": ranks, "steps_used": run.steps_used,
-                     "round_medians_s": rounds, "round_spread": max(rounds) / min(rounds),
+                     "round_means_s": rounds, "round_spread": max(rounds) / min(rounds),
                      "measured_relative_se": _finite_or_none(relative_ses[-1]),
                      "measured_step_time_s": float(run.measured_step_time_s), "predicted_s": float(p),
                      "error": float(e), "predicted_calibrated_s": float(p_cal),
@@ -501,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                   "mape": summary["mape"], "cluster": str(refit_path)},
         "mape_after_loo": loo_mape,
         "median_round_spread": float(np.median([r["round_spread"] for r in rows])),
-        # a perfect model's expected MAPE against these medians from their own noise alone: E|N(0, se)| = se sqrt(2/pi)
+        # a perfect model's expected MAPE against these means from their own noise alone: E|N(0, se)| = se sqrt(2/pi)
         "noise_floor_mape": _finite_or_none(float(np.sqrt(2.0 / np.pi) * np.mean(relative_ses))),
         "kendall_tau_after_loo": kendall([r["predicted_loo_s"] for r in rows if r["predicted_loo_s"]],
                                          [r["measured_step_time_s"] for r in rows if r["predicted_loo_s"]]),
@@ -521,13 +528,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']:<20} {r['ranks']:>5} {r['measured_step_time_s'] * 1e3:>12.2f} {r['round_spread']:>15.2f} "
               f"{r['predicted_s'] * 1e3:>13.2f} {r['error']:>+8.1%} {loo_text:>10}")
     floor = result["noise_floor_mape"]
-    print(f"rounds disagree by a median {result['median_round_spread']:.2f}x (max/min of a configuration's round medians)"
+    print(f"rounds disagree by a median {result['median_round_spread']:.2f}x (max/min of a configuration's round means)"
           + (f"; from that noise alone a perfect model would show a MAPE of about {floor:.1%} (bootstrap over rounds; "
              "the calibration's own noise comes on top)" if floor is not None else ""))
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after the runs ({os.cpu_count()} cores)")
     if probes:
         print(f"with the calibration alone (no drift probes) the MAPE before refit would be "
-              f"{result['mape_before_calibration_alone']:.1%}; probes' medians: "
+              f"{result['mape_before_calibration_alone']:.1%}; probes' means: "
               + ", ".join(f"{k} {v['calibrated']:.3g} -> {v['used']:.3g}" for k, v in result["host_figures_s"].items()))
     print(f"max |error| before refit: {result['max_abs_error_before']:.1%}; Kendall tau: {result['kendall_tau_before']:.3f} "
           f"before, {result['kendall_tau_after_loo']:.3f} after (LOO); refit factors {summary['factors']}")
