@@ -12,8 +12,10 @@
    DTensor op adds, a cold 128^3 fp32 GEMM's rate) and their means over the whole benchmark
    replace the calibrated figures (`interleaved_cluster`; `--no-interleave` keeps the
    calibration alone): other jobs on a shared machine change its speed within minutes, and
-   both sides of the comparison must see the same machine. The MAPE with the calibration
-   alone is reported beside it.
+   both sides of the comparison must see the same machine. Before each round's multi-rank runs
+   and after the last run a 2-rank gloo all-reduce is timed the same way (`collective_probe`,
+   about 5 s) and the mean scales the fabric's latencies. The MAPE with the calibration alone
+   is reported beside it.
 2. For each configuration (tiny MoE and dense models on 1, 2 and 4 ranks covering dp, ep,
    tp, pp, mbs and recompute) predict the step time with `perfmodel.evaluate` on the
    calibrated cluster, and run the bundled trainer (`mosaic train`, torchrun + gloo on cpu,
@@ -275,7 +277,43 @@ def drift_probe() -> dict[str, float]:
         torch.set_num_threads(threads)
 
 
-def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder: Path) -> Path:
+PROBE_COLLECTIVE_BYTES = 16384
+"""All-reduce re-timed between the runs: the size of the tiny models' tensor-parallel activations
+(2 x 32 tokens x 64 wide, fp32), latency-bound on gloo (its bytes cost about 1% of its time)."""
+
+
+def collective_probe(folder: Path) -> float | None:
+    """Seconds of one PROBE_COLLECTIVE_BYTES all-reduce over 2 gloo ranks after an eager compute
+    gap, as `mosaic calibrate` times it (calibration.collectives, quick repeats; the median of
+    repeats that each batch calls for about one trainer step): what a synchronous trainer pays per
+    collective. About 5 s, most of it starting two ranks; None (and a warning) if the launch fails."""
+    from calibration.collectives import AFTER_COMPUTE, run_collectives_subprocess
+
+    launched = run_collectives_subprocess(2, "cpu", True, ["host"], [2], folder, stall_s=60.0, total_timeout_s=120.0,
+                                          kinds=["all_reduce"], sizes_bytes=[PROBE_COLLECTIVE_BYTES])
+    timed = [r.median_s for r in launched.rows if r.impl.endswith(AFTER_COMPUTE)]
+    if launched.error is not None or not timed:
+        print(f"warning: collective probe failed ({launched.error or 'no after-compute row'}); "
+              "the calibrated collective latencies are kept", file=sys.stderr)
+        return None
+    return float(timed[0])
+
+
+def collective_latency_ratio(cluster: object, probe_s: float) -> float:
+    """Factor on every fabric level's latency_s and sync_latency_s that makes the model's
+    PROBE_COLLECTIVE_BYTES all-reduce over 2 ranks (perfmodel.comm: bytes x slope + latency
+    steps + sync) take `probe_s`; the same scale `mosaic calibrate --from-runs` fits
+    (collective_latency_scale), floored at its lower bound."""
+    from calibration.from_runs import BOUNDS
+    from perfmodel.comm import collective_coefficients
+
+    slope, latency = collective_coefficients(cluster, "all_reduce", 2, 1)
+    ratio = (probe_s - PROBE_COLLECTIVE_BYTES * float(slope)) / float(latency)
+    return max(ratio, BOUNDS["collective_latency_scale"][0])
+
+
+def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder: Path,
+                        collective_probes_s: tuple[float, ...] = ()) -> Path:
     """The calibrated cluster with its host-bound figures as they were while the runs ran: the
     means of `drift_probe` taken before each run and after the last replace the per-op and
     DTensor-op costs; the checkpoint costs (Python and autograd work, like an eager op) scale by
@@ -285,7 +323,11 @@ def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder
     host time is linear in its per-op cost: the mean step over states that come and go is priced
     by the mean per-op cost over them (a median per-op cost sits in whichever state most probes
     caught). Over four benchmark runs on the 2-core test machine the MAPE before refit was
-    6.3-8.6% with means on both sides against 9.3-11.8% with medians on both."""
+    6.3-8.6% with means on both sides against 9.3-11.8% with medians on both.
+
+    `collective_probes_s` (`collective_probe`, seconds): their mean scales every level's
+    latencies (`collective_latency_ratio`): gloo's per-call cost on this VM moves as much as the
+    per-op cost (the quick calibration's fitted latency 0.70-1.45 ms over six runs)."""
     import numpy as np
 
     from perfmodel.clusters import load_cluster, resolve_cluster_path
@@ -314,6 +356,15 @@ def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder
         curve["values"] = [float(f"{min(1.0, v * gemm_ratio):.4g}") for v in curve["values"]]
         curve["source"] = (f"{curve.get('source', '')}; scaled x {gemm_ratio:.3f}, a cold {PROBE_GEMM_SIZE}^3 GEMM's "
                            f"drift ({basis})")
+    if collective_probes_s:
+        ratio = collective_latency_ratio(load_cluster(str(path)), float(np.mean(collective_probes_s)))
+        note = (f"; x {ratio:.3f}, a {PROBE_COLLECTIVE_BYTES}-byte 2-rank all-reduce's drift (mean of "
+                f"{len(collective_probes_s)} collective probes, benchmarks/fidelity.py collective_probe)")
+        for level in data["levels"]:
+            for key in ("latency_s", "sync_latency_s"):
+                if level.get(key) is not None:
+                    level[key] = float(f"{float(level[key]) * ratio:.4g}")
+            level["source"] = f"{level.get('source', '')}{note}"
     out = folder / "calibrated_interleaved.yaml"
     write_yaml_atomic(out, data)
     return out
@@ -438,10 +489,20 @@ def main(argv: list[str] | None = None) -> int:
     per_round = max(3, args.steps // args.rounds)
     steps_in_round: dict[str, int] = {}
     reused = {c[0] for c in chosen if args.reuse_runs and (runs / c[0] / "metrics.jsonl").is_file()}
+    collective_probes: list[dict] = []
+    first_multi_rank = next((c[0] for c in chosen if c[3] > 1 and c[0] not in reused), None)
+
+    def probe_collectives(round_index: int | None) -> None:
+        seconds = collective_probe(folder / "collective_probe")
+        if seconds is not None:
+            collective_probes.append({"round": round_index, "all_reduce_after_compute_s": seconds})
+
     for round_index in range(args.rounds):
         for name, model, layout, ranks in chosen:
             if name in reused:
                 continue
+            if interleave and name == first_multi_rank:  # before each round's multi-rank block
+                probe_collectives(round_index)
             if interleave:
                 probes.append({"before": name, "round": round_index, **drift_probe()})
             wall[name] = wall.get(name, 0.0) + train(
@@ -460,8 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     calibrated_cluster = cluster
     if probes:  # the host-bound figures as they were while the runs ran (see module doc)
         probes.append({"before": None, "round": None, **drift_probe()})
+        if first_multi_rank is not None:
+            probe_collectives(None)
         figures = [{k: v for k, v in p.items() if k not in ("before", "round")} for p in probes]
-        cluster_path = interleaved_cluster(cluster_path, figures, folder)
+        cluster_path = interleaved_cluster(cluster_path, figures, folder,
+                                           tuple(p["all_reduce_after_compute_s"] for p in collective_probes))
         cluster = load_cluster(str(cluster_path))
 
     found = {r.name: r for r in discover_runs(runs)}
@@ -496,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device, "cluster": str(cluster_path), "steps": args.steps,
         "load_average_before": [round(x, 2) for x in load_before], "load_average_after": [round(x, 2) for x in load_after],
         "cpu_count": os.cpu_count(), "configs": rows,
-        "drift_probes": probes,
+        "drift_probes": probes, "collective_probes": collective_probes,
+        "collective_latency_s": {"calibrated": calibrated_cluster.levels[0].latency_s, "used": cluster.levels[0].latency_s},
         "host_figures_s": {key: {"calibrated": getattr(calibrated_cluster.accelerator, key),
                                  "used": getattr(cluster.accelerator, key)}
                            for key in ("launch_latency_s", "dtensor_op_latency_s", "checkpoint_region_latency_s",
@@ -535,7 +600,10 @@ def main(argv: list[str] | None = None) -> int:
     if probes:
         print(f"with the calibration alone (no drift probes) the MAPE before refit would be "
               f"{result['mape_before_calibration_alone']:.1%}; probes' means: "
-              + ", ".join(f"{k} {v['calibrated']:.3g} -> {v['used']:.3g}" for k, v in result["host_figures_s"].items()))
+              + ", ".join(f"{k} {v['calibrated']:.3g} -> {v['used']:.3g}" for k, v in result["host_figures_s"].items())
+              + (f", collective latency_s {result['collective_latency_s']['calibrated']:.3g} -> "
+                 f"{result['collective_latency_s']['used']:.3g} ({len(collective_probes)} collective probes)"
+                 if collective_probes else ""))
     print(f"max |error| before refit: {result['max_abs_error_before']:.1%}; Kendall tau: {result['kendall_tau_before']:.3f} "
           f"before, {result['kendall_tau_after_loo']:.3f} after (LOO); refit factors {summary['factors']}")
     print(f"wrote {json_path} and {png_path}")

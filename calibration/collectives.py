@@ -32,7 +32,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -193,8 +193,12 @@ def _fault() -> tuple[str, int, int]:
 
 
 def worker(out: Path, device_kind: str, quick: bool, level_names: list[str], level_devices: list[int],
-           on_row: Optional[Callable[[Measurement], None]] = None) -> list[Measurement]:
-    """Run every collective point on this rank (all ranks call it); rank 0 returns and appends the rows."""
+           on_row: Optional[Callable[[Measurement], None]] = None, kinds: Optional[Sequence[str]] = None,
+           sizes_bytes: Optional[Sequence[int]] = None) -> list[Measurement]:
+    """Run every collective point on this rank (all ranks call it); rank 0 returns and appends the rows.
+
+    `kinds` / `sizes_bytes` restrict the points (default: COLLECTIVE_KINDS over `message_sizes`):
+    benchmarks/fidelity.py re-times one small all-reduce between its trainer runs so."""
     import datetime
 
     import torch
@@ -231,12 +235,12 @@ def worker(out: Path, device_kind: str, quick: bool, level_names: list[str], lev
                 mine, my_members = group, members
         assert mine is not None
         n = len(my_members)
-        for collective in COLLECTIVE_KINDS:
+        for collective in kinds or COLLECTIVE_KINDS:
             if fault_mode and rank == fault_rank and rank != 0 and points_done >= fault_points:
                 if fault_mode == "die":
                     os._exit(3)
                 time.sleep(3600)
-            sizes = [max(n, (nbytes // elem) // n * n) * elem for nbytes in message_sizes(device_kind, quick)]
+            sizes = [max(n, (nbytes // elem) // n * n) * elem for nbytes in (sizes_bytes or message_sizes(device_kind, quick))]
             ops = [_make_op(collective, size // elem, my_members, rank, mine, device, dtype) for size in sizes]
             warmup, repeats = repeats_for(quick, device.type)
             per_op = torch.zeros(len(sizes), dtype=torch.float64)
@@ -365,7 +369,8 @@ def run_collectives_subprocess(nproc: int, device_kind: str, quick: bool, level_
                                level_devices: list[int], workdir: Path, stall_s: float = 120.0,
                                total_timeout_s: float = 3600.0,
                                progress: Optional[Callable[[int], None]] = None,
-                               startup_s: float = 120.0) -> LaunchResult:
+                               startup_s: float = 120.0, kinds: Optional[Sequence[str]] = None,
+                               sizes_bytes: Optional[Sequence[int]] = None) -> LaunchResult:
     """Run the worker on `nproc` local ranks via `python -m torch.distributed.run`; never raises on rank failure.
 
     Hang detection: no new measurement for `stall_s` seconds, except that the
@@ -381,6 +386,10 @@ def run_collectives_subprocess(nproc: int, device_kind: str, quick: bool, level_
            "--levels", ",".join(f"{n}:{d}" for n, d in zip(level_names, level_devices))]
     if quick:
         cmd.append("--quick")
+    if kinds:
+        cmd += ["--kinds", ",".join(kinds)]
+    if sizes_bytes:
+        cmd += ["--sizes", ",".join(str(int(b)) for b in sizes_bytes)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]))
@@ -444,9 +453,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--levels", default="host:1024", help="cluster levels innermost first, name:devices,...")
+    parser.add_argument("--kinds", default="", help=f"collectives to time, comma-separated (default: all of {','.join(COLLECTIVE_KINDS)})")
+    parser.add_argument("--sizes", default="", help="message sizes in bytes, comma-separated (default: message_sizes)")
     args = parser.parse_args(argv)
     names, devices = _parse_levels(args.levels)
-    worker(args.out, args.device, args.quick, names, devices)
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(kinds) - set(COLLECTIVE_KINDS))
+    if unknown:
+        parser.error(f"--kinds: unknown {', '.join(unknown)}; choose from {', '.join(COLLECTIVE_KINDS)}")
+    sizes = [int(b) for b in args.sizes.split(",") if b]
+    if any(b <= 0 for b in sizes):
+        parser.error("--sizes: message sizes must be positive byte counts")
+    worker(args.out, args.device, args.quick, names, devices, kinds=kinds or None, sizes_bytes=sizes or None)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,40 @@ def test_drift_probes_replace_the_host_figures_and_scale_the_rest(tmp_path: Path
     assert "drift probes" in used.sources["dtensor_op_latency_s"]
 
 
+def test_collective_probes_scale_the_fabric_latencies_to_what_they_timed(tmp_path: Path) -> None:
+    """The probes' mean, k times the model's own time for the probed all-reduce, makes the model
+    price that all-reduce at k times (latencies and sync scaled, bandwidth kept)."""
+    from perfmodel.clusters import load_cluster
+    from perfmodel.comm import collective_time
+
+    base = load_cluster("cpu_local")
+    size = fidelity.PROBE_COLLECTIVE_BYTES
+    modelled = float(collective_time(base, "all_reduce", size, 2, 1))
+    probes = (1.5 * modelled, 2.5 * modelled)  # mean: twice the modelled time
+    host = [{"launch_latency_s": base.accelerator.launch_latency_s, "dtensor_op_latency_s": 1e-4,
+             "gemm_flops_per_s": base.accelerator.peak("fp32")}]
+    used = load_cluster(str(fidelity.interleaved_cluster(Path("cpu_local"), host, tmp_path, probes)))
+    assert float(collective_time(used, "all_reduce", size, 2, 1)) == pytest.approx(2 * modelled, rel=2e-3)
+    ratio = fidelity.collective_latency_ratio(base, 2 * modelled)
+    for before, after in zip(base.levels, used.levels):
+        assert after.latency_s == pytest.approx(before.latency_s * ratio, rel=1e-3)
+        assert after.sync_latency_s == pytest.approx(before.sync_latency_s * ratio, rel=1e-3)
+        assert after.bandwidth_bytes_per_s == before.bandwidth_bytes_per_s
+        assert "collective probes" in after.source
+    # a probe faster than the bytes alone allow is floored at the refit's lower bound, not negative
+    assert fidelity.collective_latency_ratio(base, 1e-9) == pytest.approx(0.1)
+    no_probe = load_cluster(str(fidelity.interleaved_cluster(Path("cpu_local"), host, tmp_path)))
+    assert [lv.latency_s for lv in no_probe.levels] == [lv.latency_s for lv in base.levels]
+
+
+def test_collective_probe_times_a_two_rank_all_reduce(tmp_path: Path) -> None:
+    seconds = fidelity.collective_probe(tmp_path)
+    assert seconds is not None and 1e-6 < seconds < 1.0
+    rows = (tmp_path / "collectives.partial.csv").read_text().splitlines()
+    assert len(rows) == 3  # header, back to back, after compute: one kind, one size
+    assert all(f",{fidelity.PROBE_COLLECTIVE_BYTES}.0," in row for row in rows[1:])
+
+
 def test_calibrations_before_and_after_the_runs_merge_by_geometric_mean(tmp_path: Path) -> None:
     import yaml
 

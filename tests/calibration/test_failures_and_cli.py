@@ -76,3 +76,15 @@ def test_help_does_not_import_torch():
             "assert '--from-runs' in r.output; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_collective_worker_refuses_unknown_kinds_and_sizes(tmp_path, capsys):
+    from calibration.collectives import main
+
+    for argv, text in ((["--kinds", "all_reduce,broadcast"], "--kinds: unknown broadcast"),
+                       (["--sizes", "4096,-1"], "--sizes: message sizes must be positive")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--out", str(tmp_path / "x.csv"), *argv])
+        assert exit_info.value.code == 2
+        assert text in capsys.readouterr().err
+    assert not (tmp_path / "x.csv").exists()
