@@ -12,10 +12,11 @@
    DTensor op adds, a cold 128^3 fp32 GEMM's rate) and their means over the whole benchmark
    replace the calibrated figures (`interleaved_cluster`; `--no-interleave` keeps the
    calibration alone): other jobs on a shared machine change its speed within minutes, and
-   both sides of the comparison must see the same machine. Before each round's multi-rank runs
-   and after the last run a 2-rank gloo all-reduce is timed the same way (`collective_probe`,
-   about 5 s) and the mean scales the fabric's latencies. The MAPE with the calibration alone
-   is reported beside it.
+   both sides of the comparison must see the same machine. With `--probe-collectives`, before
+   each round's multi-rank runs and after the last run a 2-rank gloo all-reduce is timed the
+   same way (`collective_probe`, about 5 s) and the mean scales the fabric's latencies (off by
+   default: in its one trial it moved the latencies the wrong way, docs/validation.md). The
+   MAPE with the calibration alone is reported beside it.
 2. For each configuration (tiny MoE and dense models on 1, 2 and 4 ranks covering dp, ep,
    tp, pp, mbs and recompute) predict the step time with `perfmodel.evaluate` on the
    calibrated cluster, and run the bundled trainer (`mosaic train`, torchrun + gloo on cpu,
@@ -434,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
                                                      "name on cuda, ascend_910b on npu)")
     parser.add_argument("--no-interleave", action="store_true",
                         help="cpu: keep the calibrated per-op cost instead of re-measuring it between the runs")
+    parser.add_argument("--probe-collectives", action="store_true",
+                        help="cpu: also time a 2-rank gloo all-reduce before each round's multi-rank runs and after "
+                             "the last, and scale the fabric latencies by it (off: in its one trial it did worse than "
+                             "the calibration's latencies, docs/validation.md)")
     parser.add_argument("--recalibrate", action="store_true",
                         help="calibrate again after the runs and predict with the geometric mean of the two "
                              "calibrations (default: the calibration before the runs)")
@@ -490,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     steps_in_round: dict[str, int] = {}
     reused = {c[0] for c in chosen if args.reuse_runs and (runs / c[0] / "metrics.jsonl").is_file()}
     collective_probes: list[dict] = []
-    first_multi_rank = next((c[0] for c in chosen if c[3] > 1 and c[0] not in reused), None)
+    first_multi_rank = next((c[0] for c in chosen if c[3] > 1 and c[0] not in reused), None) \
+        if interleave and args.probe_collectives else None
 
     def probe_collectives(round_index: int | None) -> None:
         seconds = collective_probe(folder / "collective_probe")
@@ -501,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, model, layout, ranks in chosen:
             if name in reused:
                 continue
-            if interleave and name == first_multi_rank:  # before each round's multi-rank block
+            if name == first_multi_rank:  # before each round's multi-rank block (--probe-collectives)
                 probe_collectives(round_index)
             if interleave:
                 probes.append({"before": name, "round": round_index, **drift_probe()})
