@@ -471,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--round-seconds: need a number >= 0 (0: every round runs --steps / --rounds steps)")
     if args.recalibrate and args.cluster:
         parser.error("--recalibrate: calibrates this machine twice; drop --cluster, or drop --recalibrate to use that file")
+    if args.probe_collectives and (args.device != "cpu" or args.no_interleave):
+        parser.error("--probe-collectives: scales the cpu probes' cluster (--device cpu without --no-interleave); "
+                     "drop one of them")
 
     folder = args.out_dir / f"fidelity_{args.device}"
     runs = folder / "runs"

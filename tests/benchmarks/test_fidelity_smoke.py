@@ -201,6 +201,7 @@ def test_calibrations_before_and_after_the_runs_merge_by_geometric_mean(tmp_path
     (["--configs", "nope"], "unknown nope"),
     (["--recalibrate"], "drop --cluster"),  # a given cluster file cannot be calibrated twice
     (["--round-seconds", "nan"], "need a number >= 0"),
+    (["--probe-collectives", "--no-interleave"], "drop one of them"),  # nothing to scale: refused, not ignored
 ])
 def test_bad_arguments_are_refused_before_any_run(tmp_path: Path, args: list[str], message: str) -> None:
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), *args,
