@@ -336,7 +336,8 @@ def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder
 
     path = resolve_cluster_path(str(calibrated))
     data = read_yaml(path)
-    accelerator = load_cluster(str(path)).accelerator
+    base = load_cluster(str(path))
+    accelerator = base.accelerator
     means = {key: float(np.mean([p[key] for p in probes])) for key in probes[0]}
     acc = data["accelerator"]
     sources = acc.setdefault("sources", {})
@@ -358,7 +359,7 @@ def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder
         curve["source"] = (f"{curve.get('source', '')}; scaled x {gemm_ratio:.3f}, a cold {PROBE_GEMM_SIZE}^3 GEMM's "
                            f"drift ({basis})")
     if collective_probes_s:
-        ratio = collective_latency_ratio(load_cluster(str(path)), float(np.mean(collective_probes_s)))
+        ratio = collective_latency_ratio(base, float(np.mean(collective_probes_s)))
         note = (f"; x {ratio:.3f}, a {PROBE_COLLECTIVE_BYTES}-byte 2-rank all-reduce's drift (mean of "
                 f"{len(collective_probes_s)} collective probes, benchmarks/fidelity.py collective_probe)")
         for level in data["levels"]:
@@ -499,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     reused = {c[0] for c in chosen if args.reuse_runs and (runs / c[0] / "metrics.jsonl").is_file()}
     collective_probes: list[dict] = []
     first_multi_rank = next((c[0] for c in chosen if c[3] > 1 and c[0] not in reused), None) \
-        if interleave and args.probe_collectives else None
+        if args.probe_collectives else None  # the parser refused it off cpu and with --no-interleave
 
     def probe_collectives(round_index: int | None) -> None:
         seconds = collective_probe(folder / "collective_probe")
