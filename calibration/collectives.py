@@ -461,7 +461,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     unknown = sorted(set(kinds) - set(COLLECTIVE_KINDS))
     if unknown:
         parser.error(f"--kinds: unknown {', '.join(unknown)}; choose from {', '.join(COLLECTIVE_KINDS)}")
-    sizes = [int(b) for b in args.sizes.split(",") if b]
+    try:
+        sizes = [int(b) for b in args.sizes.split(",") if b]
+    except ValueError:
+        sizes = [0]
     if any(b <= 0 for b in sizes):
         parser.error("--sizes: message sizes must be positive byte counts")
     worker(args.out, args.device, args.quick, names, devices, kinds=kinds or None, sizes_bytes=sizes or None)

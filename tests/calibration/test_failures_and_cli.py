@@ -82,7 +82,8 @@ def test_collective_worker_refuses_unknown_kinds_and_sizes(tmp_path, capsys):
     from calibration.collectives import main
 
     for argv, text in ((["--kinds", "all_reduce,broadcast"], "--kinds: unknown broadcast"),
-                       (["--sizes", "4096,-1"], "--sizes: message sizes must be positive")):
+                       (["--sizes", "4096,-1"], "--sizes: message sizes must be positive"),
+                       (["--sizes", "4k"], "--sizes: message sizes must be positive")):
         with pytest.raises(SystemExit) as exit_info:
             main(["--out", str(tmp_path / "x.csv"), *argv])
         assert exit_info.value.code == 2
