@@ -55,7 +55,7 @@ Sources
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -82,6 +82,8 @@ from perfmodel.specs.architecture import (
     expert_params,
     router_params,
 )
+from perfmodel.specs.cluster import ClusterSpec
+from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 
 MEMORY_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "moe_buffers",
                      "fsdp_buffers", "framework")
@@ -199,3 +201,35 @@ def stage_memory(arch: Any, lay: Any, cluster: Any, stage: str, counts: Any = No
         "fsdp_buffers": fsdp_buffers,
         "framework": np.zeros_like(activations) + cluster.framework_overhead_bytes,
     }
+
+
+class DeviceMemory(NamedTuple):
+    """Memory per device of the larger of the first and the last pipeline stage."""
+
+    total_bytes: np.ndarray
+    breakdown: dict[str, np.ndarray]
+    """Bytes per MEMORY_COMPONENTS entry, of the larger stage."""
+    last_bigger: np.ndarray
+    """True where the last stage holds more than the first."""
+
+
+def memory_per_device(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec,
+                      counts: Optional[dict[str, dict[str, Values]]] = None,
+                      params: Optional[dict[str, tuple[Values, Values]]] = None) -> DeviceMemory:
+    """Bytes per device of the larger pipeline stage (first or last; every other stage is
+    bounded by one of them, `perfmodel.schedule`), with that stage's components.
+
+    `counts` (stage_layer_counts(...)) and `params` ({stage: stage_params(...)}) may be
+    passed when already computed."""
+    counts = stage_layer_counts(arch, lay) if counts is None else counts
+    activations = layer_activation_bytes(arch, lay)
+    mem = {stage: stage_memory(arch, lay, cluster, stage, counts[stage], None if params is None else params[stage],
+                               activations)
+           for stage in ("first", "last")}
+    total_first = sum(mem["first"][k] for k in MEMORY_COMPONENTS)
+    total_last = sum(mem["last"][k] for k in MEMORY_COMPONENTS)
+    last_bigger = total_last > total_first
+    total = np.asarray(np.where(last_bigger, total_last, total_first), dtype=float)
+    breakdown = {k: np.broadcast_to(np.where(last_bigger, mem["last"][k], mem["first"][k]), total.shape).astype(float)
+                 for k in MEMORY_COMPONENTS}
+    return DeviceMemory(total, breakdown, last_bigger)
