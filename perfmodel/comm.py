@@ -147,7 +147,10 @@ def collective_time(cluster: ClusterSpec, kind: str, size_bytes: Values, n: Opti
     `coefficients`: a precomputed `collective_coefficients(...)` for the same group.
     """
     size = np.asarray(size_bytes, dtype=float)
-    slope, latency = coefficients if coefficients is not None else collective_coefficients(cluster, kind, n, stride)
+    if coefficients is None:
+        assert n is not None and stride is not None, "collective_time needs n and stride or coefficients"
+        coefficients = collective_coefficients(cluster, kind, n, stride)
+    slope, latency = coefficients
     return np.where(size > 0.0, size * slope + latency, 0.0)
 
 

@@ -50,7 +50,7 @@ from perfmodel.schedule import bubble_slots, micro_batches, stage_layer_counts, 
 from perfmodel.specs.architecture import ArchBatch, MoEArchitecture, model_flops_per_token
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LayoutBatch, ParallelLayout
-from perfmodel.stage import StageTimes, stage_times
+from perfmodel.stage import StageParams, StageTimes, stage_times
 from perfmodel.tables import StageBlocks, shared_block_tables
 from perfmodel.validity import valid_mask
 
@@ -85,8 +85,9 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
     m = micro_batches(lay)
     slots = bubble_slots(lay)
     stages: dict[str, StageTimes] = {}
+    params: dict[str, StageParams] = {}
     for name in ("first", "last"):
-        st = stage_times(StageBlocks(arch, lay, tables, counts[name]), cluster.overlap, hw, pricer, host)
+        st, params[name] = stage_times(StageBlocks(arch, lay, tables, counts[name]), cluster.overlap, hw, pricer, host)
         st["step"] = (m + slots) * st["micro_batch"] + st["dp_step_exposed"] + st["optimizer"]
         stages[name] = st
     last_slower = stages["last"]["step"] > stages["first"]["step"]
@@ -119,7 +120,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
     }
     breakdown = {k: np.broadcast_to(np.asarray(v, dtype=float), step_s.shape).copy() for k, v in breakdown.items()}
 
-    memory = memory_per_device(arch, lay, cluster, counts, {name: stages[name]["params"] for name in stages})
+    memory = memory_per_device(arch, lay, cluster, counts, params)
 
     tokens = np.asarray(lay.gbs, dtype=float) * np.asarray(arch.seq_len, dtype=float)
     tokens_per_s = tokens / step_s
@@ -148,5 +149,5 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         memory_breakdown=memory.breakdown,
         devices=np.asarray(devices, dtype=float).astype(np.int64),
         micro_batches=np.asarray(m, dtype=float),
-        bottleneck_stage=last_slower.astype(np.int64),
+        bottleneck_stage=np.asarray(last_slower).astype(np.int64),
     )

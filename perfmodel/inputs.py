@@ -32,7 +32,7 @@ def broadcast_inputs(archs: Union[MoEArchitecture, ArchBatch], layouts: Union[Pa
         if layouts.dp is None or layouts.gbs is None:
             if devices is None or np.ndim(devices) != 0:
                 raise InputError("layout: dp/gbs are not resolved; call layout.resolve(devices) or pass devices=N")
-            layouts = layouts.resolve(int(devices))
+            layouts = layouts.resolve(int(np.asarray(devices)))
         layouts = LayoutBatch.stack([layouts])
     if not isinstance(archs, ArchBatch) or not isinstance(layouts, LayoutBatch):
         raise InputError("evaluate: archs must be MoEArchitecture/ArchBatch and layouts ParallelLayout/LayoutBatch")

@@ -488,9 +488,9 @@ def _block_tables(blocks: dict[str, list[Op]], comms: dict[str, list[CommItem]],
             table[f"fwd_{cls}"] = table[f"bwd_{cls}"] = 0.0
         table["fwd_comm_kernels"] = table["bwd_comm_kernels"] = 0.0
         for group, kind, phase, nbytes in items:
-            seconds = coll(group, kind, nbytes)
-            table[f"{phase}_{comm_class[group]}"] += seconds
-            table[f"{phase}_comm_kernels"] += 1.0 if seconds > 0 else 0.0
+            comm_s = coll(group, kind, nbytes)
+            table[f"{phase}_{comm_class[group]}"] += comm_s
+            table[f"{phase}_comm_kernels"] += 1.0 if comm_s > 0 else 0.0
     return tables
 
 

@@ -53,6 +53,9 @@ HIDE_ORDER = ("cp", "tp", "ep", "pp", "fsdp")
 """Classes in the order they take the overlap window (cp behind attention only)."""
 
 StageTimes = dict[str, Values]
+"""Seconds of one stage by key (see `stage_times`)."""
+StageParams = tuple[Values, Values]
+"""(dense, expert) parameters one device of a stage holds before dp sharding (`memory.stage_params`)."""
 
 
 def optimizer_step_bytes_per_param(lay: LayoutLike) -> Values:
@@ -69,10 +72,10 @@ def hide(comm_s: Values, fraction: float, window_s: Values) -> tuple[Values, Val
 
 
 def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: CollectivePricer,
-                host: HostDispatch) -> StageTimes:
+                host: HostDispatch) -> tuple[StageTimes, StageParams]:
     """Per-micro-batch and per-step seconds of one pipeline stage (keys: the categories,
     recompute, dispatch, micro_batch, {cls}_exposed / {cls}_hidden for tp cp ep pp fsdp,
-    dp_step_exposed / dp_step_hidden, optimizer) and its `params` (dense, expert)."""
+    dp_step_exposed / dp_step_hidden, optimizer) and its parameters (dense, expert)."""
     arch, lay, counts, total = stage.arch, stage.lay, stage.counts, stage.total
     full, selective = stage.full, stage.selective
     launch_latency_s = hw.launch_latency_s
@@ -94,7 +97,6 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
     bwd_attn_s = total("bwd_attention") + np.where(full | selective, core_fwd_s, 0.0)
 
     dense_params, expert_params = stage_params(arch, lay, counts)
-    out["params"] = (dense_params, expert_params)
     comm_s, param_gather_s, grad_scatter_s = _micro_batch_comm(stage, pricer, dense_params, expert_params)
 
     exposed_s, hidden_s, left_s = {}, {}, {}
@@ -117,7 +119,7 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
     out["dp_step_exposed"], out["dp_step_hidden"] = _dp_step_sync(
         lay, pricer, overlap, dense_params, expert_params, param_gather_s, grad_scatter_s, left_s)
     out["optimizer"] = _optimizer_s(stage, hw, pricer, host, dense_params, expert_params)
-    return out
+    return out, (dense_params, expert_params)
 
 
 def _micro_batch_comm(stage: StageBlocks, pricer: CollectivePricer, dense_params: Values, expert_params: Values

@@ -170,7 +170,7 @@ def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec,
     sub_lay = lay.take(first)
     sub_hw = HardwareView(cluster, sub_lay, hw.share[first])
     sub = block_tables(arch.take(first), sub_lay, host, CollectivePricer(cluster, sub_lay, sub_hw.share), sub_hw)
-    return {block: {k: (v[inverse] if np.ndim(v) else v) for k, v in t.items()} for block, t in sub.items()}
+    return {block: {k: (np.asarray(v)[inverse] if np.ndim(v) else v) for k, v in t.items()} for block, t in sub.items()}
 
 
 class StageBlocks:
