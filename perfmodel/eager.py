@@ -30,9 +30,9 @@ prices them on the cluster's fabric with the step's optimizer time.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+
+from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 
 EAGER_OPS = {
     # block: (forward, backward) ops per micro-batch (per layer for layer blocks)
@@ -77,15 +77,15 @@ EAGER_OPS_PER_MICRO_BATCH = 13.0
 from 2 vs 4 micro-batches of the tiny MoE)."""
 
 
-def eager_block_ops(arch: Any) -> dict[str, tuple[Any, Any]]:
+def eager_block_ops(arch: ArchLike) -> dict[str, tuple[Values, Values]]:
     """(forward, backward) eager ops per micro-batch of each block (per layer for layer blocks)."""
     f = np.asarray
     gqa = f(arch.n_kv_heads, dtype=float) < f(arch.n_heads, dtype=float)
     ungated = ~f(arch.gated_ffn, dtype=bool)
     shared = f(arch.n_shared_experts, dtype=float) > 0
-    out: dict[str, tuple[Any, Any]] = {}
-    for block, (fwd, bwd) in EAGER_OPS.items():
-        fwd, bwd = f(fwd), f(bwd)
+    out: dict[str, tuple[Values, Values]] = {}
+    for block, (fwd_count, bwd_count) in EAGER_OPS.items():
+        fwd, bwd = f(fwd_count), f(bwd_count)
         if block == "attention":
             fwd, bwd = fwd + gqa * EAGER_GQA_OPS[0], bwd + gqa * EAGER_GQA_OPS[1]
         if block == "moe":
@@ -97,7 +97,7 @@ def eager_block_ops(arch: Any) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def eager_param_tensors(arch: Any) -> dict[str, Any]:
+def eager_param_tensors(arch: ArchLike) -> dict[str, Values]:
     """Parameter tensors per block (per layer for layer blocks) of the bundled model: separate
     q/k/v/o projections and an RMSNorm weight per norm."""
     f = np.asarray
@@ -107,11 +107,11 @@ def eager_param_tensors(arch: Any) -> dict[str, Any]:
             "head": np.where(f(arch.tie_embeddings, dtype=bool), 1.0, 2.0)}
 
 
-def eager_step_ops(arch: Any, counts: dict[str, Any], micro_batches: Any) -> Any:
+def eager_step_ops(arch: ArchLike, counts: dict[str, Values], micro_batches: Values) -> Values:
     """Ops once per step on a stage holding counts[block] blocks: optimizer, gradient norm and
     the trainer's bookkeeping (micro_batches per step)."""
     tensors = eager_param_tensors(arch)
-    total: Any = 0.0
+    total: Values = 0.0
     for block, n in tensors.items():
         total = total + counts[block] * n
     return (EAGER_OPS_PER_PARAM_TENSOR * total + EAGER_STEP_OPS + EAGER_STEP_OPS_PER_MOE_LAYER * counts["moe"]
@@ -123,7 +123,7 @@ EAGER_STEP_COLLECTIVE_BYTES = 256.0
 statistics; latency-bound at any of these sizes."""
 
 
-def eager_step_collectives(lay: Any) -> dict[str, Any]:
+def eager_step_collectives(lay: LayoutLike) -> dict[str, Values]:
     """Small all-reduces the bundled trainer issues once per step, by process group
     (`perfmodel.comm.group_geometry` names; a group of one costs nothing). Source:
     mosaic/trainer/train.py and parallelize.clip_grad_norm --
@@ -161,14 +161,14 @@ EAGER_DTENSOR_STEP_OPS = 2.0
 """Per step: the gradient norm's full_tensor, once per sharded placement (Shard(0), Shard(1))."""
 
 
-def eager_dtensor_block_ops(arch: Any) -> dict[str, tuple[Any, Any]]:
+def eager_dtensor_block_ops(arch: ArchLike) -> dict[str, tuple[Values, Values]]:
     """(forward, backward) DTensor ops per micro-batch of each block under tp > 1 (per layer)."""
     f = np.asarray
     ungated = ~f(arch.gated_ffn, dtype=bool)
     shared = f(arch.n_shared_experts, dtype=float) > 0
-    out: dict[str, tuple[Any, Any]] = {}
-    for block, (fwd, bwd) in EAGER_DTENSOR_OPS.items():
-        fwd, bwd = f(fwd), f(bwd)
+    out: dict[str, tuple[Values, Values]] = {}
+    for block, (fwd_count, bwd_count) in EAGER_DTENSOR_OPS.items():
+        fwd, bwd = f(fwd_count), f(bwd_count)
         if block == "moe":
             fwd = fwd + shared * EAGER_DTENSOR_SHARED_EXPERT_OPS[0]
             bwd = bwd + shared * EAGER_DTENSOR_SHARED_EXPERT_OPS[1]
@@ -181,7 +181,7 @@ def eager_dtensor_block_ops(arch: Any) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def eager_dtensor_param_tensors(arch: Any) -> dict[str, Any]:
+def eager_dtensor_param_tensors(arch: ArchLike) -> dict[str, Values]:
     """DTensor parameters per block under tp > 1: the tensor-parallel linears and the router
     weight; norms and routed experts stay plain tensors."""
     f = np.asarray
@@ -205,7 +205,7 @@ EAGER_SAVED_UNGATED = {"dense_ffn": -4.0, "moe": -9.0}
 """GeLU MLPs: dense 11 vs 15; MoE with a shared expert 30 vs 39 (measured)."""
 
 
-def eager_saved_tensors(arch: Any) -> dict[str, Any]:
+def eager_saved_tensors(arch: ArchLike) -> dict[str, Values]:
     """Saved tensors per layer block of one micro-batch's forward (see EAGER_SAVED_TENSORS)."""
     f = np.asarray
     ungated = ~f(arch.gated_ffn, dtype=bool)
