@@ -106,7 +106,7 @@ def violations(arch: MoEArchitecture, layout: ParallelLayout, devices: int) -> l
     messages = []
     if not world_matches(arch, layout, devices):
         messages.append(f"world_matches: tp*cp*pp*dp={layout.world()} must equal the device count {devices}; "
-                        "change dp or --devices")
+                        "change dp or the device count")
     for name, rule, template in RULES:
         if not bool(rule(arch, layout)):
             messages.append(f"{name}: " + template.format(**fields))

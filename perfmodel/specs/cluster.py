@@ -289,7 +289,7 @@ class ClusterSpec:
 
     def with_devices(self, devices: int) -> ClusterSpec:
         if devices > self.devices:
-            raise InputError(f"--devices {devices} exceeds cluster '{self.name}' size {self.devices}; "
+            raise InputError(f"devices={devices} exceeds cluster '{self.name}' size {self.devices}; "
                              "use at most the cluster's count or edit its 'devices' key")
         return dataclasses.replace(self, devices=devices)
 
