@@ -51,6 +51,9 @@ Sources
   (2 layers, bf16) plus one layer's unsharded fp32 gradient.
 - Framework overhead (CUDA context, communicator buffers, fragmentation):
   `cluster.framework_overhead_bytes`.
+- Per device (`memory_per_device`): the larger of the first and the last pipeline stage
+  (every other stage is bounded by one of them, `perfmodel.schedule`); what `evaluate`
+  reports and the planner prunes with.
 """
 
 from __future__ import annotations

@@ -494,13 +494,12 @@ def eager_trainer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]
     The trainer keeps q/k/v and w1/w3 as separate DTensor linears (torch ColwiseParallel), so
     each adds its own input-gradient all-reduce; MoE layers route a sequence shard per tp rank
     and gather the output; the LM head gathers full logits (no vocab-parallel loss). Counted
-    per micro-batch with `calibration.eager_ops.fake_world` and torch.profiler on the tiny MoE,
-    its dense, ungated and no-shared-expert variants and 1-3 layers (torch 2.13):
-    attention fwd 1 / bwd 3 all-reduces of T*h; dense FFN 1 / 2 (1 ungated); MoE layer: fwd
-    the router's load statistics (E fp32 values) and the output all-gather, bwd the input
-    gradient's all-gather; a gated shared expert fwd all-gather + reduce-scatter, bwd 2
-    all-reduces + 1 all-gather (1 all-reduce ungated); embedding fwd 1 all-reduce; head fwd
-    an all-gather of T*V logits, bwd 1 all-reduce. With sequence parallel (not counted) the
+    per micro-batch with `calibration.eager_ops.fake_world` and torch.profiler
+    (docs/eager_counts.md): attention fwd 1 / bwd 3 all-reduces of T*h; dense FFN 1 / 2
+    (1 ungated); MoE layer: fwd the router's load statistics (E fp32 values) and the output
+    all-gather, bwd the input gradient's all-gather; a gated shared expert fwd all-gather +
+    reduce-scatter, bwd 2 all-reduces + 1 all-gather (1 all-reduce ungated); embedding fwd 1
+    all-reduce; head fwd an all-gather of T*V logits, bwd 1 all-reduce. With sequence parallel (not counted) the
     Megatron list stays. Expert parallel adds the exchange of per-expert token counts (E int64)
     before each dispatch.
     """

@@ -88,8 +88,8 @@ class Accelerator:
     """Host time per tensor a checkpointed region saves (pack, recompute, unpack hooks)."""
     attention_efficiency_vs_gemm: Optional[float] = None
     """The attention core's achieved rate over a dense GEMM's of equal FLOPs (same precision);
-    None: priced as that GEMM. Measured by `mosaic calibrate` from its SDPA points (on cpu
-    torch's flash kernel ran at 0.29-0.52 of a GEMM's rate, see cpu_local.yaml)."""
+    None: priced as that GEMM. Measured by `mosaic calibrate` from its SDPA points (the cpu
+    figures: docs/validation.md)."""
     dtensor_op_latency_s: Optional[float] = None
     """Host time one DTensor op adds beyond the single-device ops (tensor parallel in eager
     PyTorch: sharding propagation, wrapping); priced on CPU clusters, whose ranks run the
