@@ -80,7 +80,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
     arch, lay = as_float(arch), as_float(lay)
     hw = HardwareView(cluster, lay, host.core_share(devices))
     pricer = CollectivePricer(cluster, lay, hw.share)
-    tables = shared_block_tables(arch, lay, cluster, devices, host, pricer, hw)
+    tables = shared_block_tables(arch, lay, cluster, devices, host.block_comms, pricer, hw)
     counts = stage_layer_counts(arch, lay)
     m = micro_batches(lay)
     slots = bubble_slots(lay)

@@ -118,7 +118,7 @@ class HardwareView:
                 lo = np.array([self.curves[c].log_sizes[0] for c in range(len(PRECISIONS))])
                 hi = np.array([self.curves[c].log_sizes[-1] for c in range(len(PRECISIONS))])
                 self._stacked[name] = (xs, ys, lo[codes], hi[codes], 100.0 * codes)
-        self.bw = acc.hbm_bandwidth_bytes_per_s
+        self.hbm_bytes_per_s = acc.hbm_bandwidth_bytes_per_s
         self.mem_curve = CurveLookup(acc.memory_efficiency)
         self._mem_cache: dict[tuple[int, object], tuple[Values, np.ndarray]] = {}
 
@@ -158,4 +158,4 @@ class HardwareView:
 
     def memory_time(self, nbytes: Values, kernels: Values) -> Values:
         """Seconds: bytes / (HBM bandwidth x eff_memory(bytes per kernel))."""
-        return nbytes / (self.bw * self.memory_efficiency(nbytes, kernels))
+        return nbytes / (self.hbm_bytes_per_s * self.memory_efficiency(nbytes, kernels))

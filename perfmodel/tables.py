@@ -8,8 +8,8 @@ and per layer of the block:
   behind), the kernels launched, the attention core's forward (what selective
   recompute repeats);
 - communication seconds per class (tp, cp, ep; etp counts as ep) and phase, and
-  the collective launches, from the host's collective list
-  (`HostDispatch.block_comms`) priced by `perfmodel.comm.CollectivePricer`.
+  the collective launches, from the host's collective list (`comms_of`:
+  `perfmodel.host.HostDispatch.block_comms`) priced by `perfmodel.comm.CollectivePricer`.
 
 A planner grid repeats few distinct tables (geometries x layouts): rows equal in
 TABLE_ARCH_FIELDS, TABLE_LAYOUT_FIELDS and devices share one table row
@@ -19,7 +19,8 @@ pipeline stage holds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from collections.abc import Callable
+from typing import Optional, Union
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from perfmodel.hardware import HardwareView
 from perfmodel.operators import (
     FULL,
     SELECTIVE,
+    Comm,
     Op,
     attention_ops,
     dense_ffn_ops,
@@ -41,12 +43,11 @@ from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LayoutBatch
 from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 
-if TYPE_CHECKING:
-    from perfmodel.host import HostDispatch
-
 BlockTable = dict[str, Values]
 """One block's entries (seconds, kernels) keyed phase_category, phase_overlap, ..."""
 Tables = dict[str, BlockTable]
+CommsOf = Callable[[ArchLike, LayoutLike], dict[str, list[Comm]]]
+"""The collectives of each block the ranks issue (`HostDispatch.block_comms`)."""
 
 BLOCK_BUILDERS = (("attention", attention_ops), ("dense_ffn", dense_ffn_ops), ("moe", moe_ops),
                   ("embedding", embedding_ops), ("head", head_ops))
@@ -73,7 +74,7 @@ def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
     forward work), and hold for all three phases: the input- and weight-gradient kernels
     work on the same matrices."""
     j0 = op.size_phase
-    seconds_per_byte = 1.0 / (hw.bw * hw.memory_efficiency(op.bytes[j0], op.kernels[j0]))
+    seconds_per_byte = 1.0 / (hw.hbm_bytes_per_s * hw.memory_efficiency(op.bytes[j0], op.kernels[j0]))
     seconds_per_flop = None if op.kind == "memory" else 1.0 / hw.compute_rate(op.kind, op.kernel_flops[0])
     out: list[Values] = []
     compute_s_of: dict[int, Values] = {}  # a GEMM's three phases share one FLOPs array: one product
@@ -92,13 +93,13 @@ def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
     return out[0], out[1], out[2]
 
 
-def block_tables(arch: ArchLike, lay: LayoutLike, host: HostDispatch, pricer: CollectivePricer,
+def block_tables(arch: ArchLike, lay: LayoutLike, comms_of: CommsOf, pricer: CollectivePricer,
                  hw: HardwareView) -> Tables:
     """Per block, per micro-batch: time per category and phase, overlappable time,
     kernels, the forward totals (for full recompute) and the attention core's
     forward (for selective recompute); and communication per class and phase."""
     tables: Tables = {}
-    comms = host.block_comms(arch, lay)
+    comms = comms_of(arch, lay)
     for block, builder in BLOCK_BUILDERS:
         table: BlockTable = {f"{ph}_{cat}": 0.0 for ph in ("fwd", "bwd") for cat in CATEGORIES}
         table.update(fwd_overlap=0.0, bwd_overlap=0.0, fwd_kernels=0.0, bwd_kernels=0.0, core_fwd=0.0)
@@ -161,15 +162,15 @@ def table_groups(arch: ArchBatch, lay: LayoutBatch, devices: np.ndarray) -> Opti
 
 
 def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, devices: np.ndarray,
-                        host: HostDispatch, pricer: CollectivePricer, hw: HardwareView) -> Tables:
+                        comms_of: CommsOf, pricer: CollectivePricer, hw: HardwareView) -> Tables:
     """Block tables, computed once per distinct (geometry, table-relevant layout fields)."""
     groups = table_groups(arch, lay, devices)
     if groups is None:
-        return block_tables(arch, lay, host, pricer, hw)
+        return block_tables(arch, lay, comms_of, pricer, hw)
     first, inverse = groups
     sub_lay = lay.take(first)
     sub_hw = HardwareView(cluster, sub_lay, hw.share[first])
-    sub = block_tables(arch.take(first), sub_lay, host, CollectivePricer(cluster, sub_lay, sub_hw.share), sub_hw)
+    sub = block_tables(arch.take(first), sub_lay, comms_of, CollectivePricer(cluster, sub_lay, sub_hw.share), sub_hw)
     return {block: {k: (np.asarray(v)[inverse] if np.ndim(v) else v) for k, v in t.items()} for block, t in sub.items()}
 
 
