@@ -35,14 +35,21 @@ alpha-beta as in Galvatron/SimAI/llm-analysis):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
 import numpy as np
+
+from perfmodel.specs.cluster import ClusterSpec
+from perfmodel.specs.protocols import LayoutLike, Values
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
-def group_geometry(lay: Any, group: str) -> tuple[Any, Any]:
+LevelGeometry = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
+"""Per fabric level: (c_{j-1}, c_j, f_j, ceil(log2 f_j), alpha_j) of a group (`group_levels`)."""
+
+
+def group_geometry(lay: LayoutLike, group: str) -> tuple[np.ndarray, np.ndarray]:
     """(size n, stride k) of a process group in Megatron-Core rank order.
 
     tp: (tp, 1); cp: (cp, tp); dp (dense gradients, synchronised over dp*cp): (dp*cp, tp);
@@ -74,7 +81,7 @@ def group_geometry(lay: Any, group: str) -> tuple[Any, Any]:
     raise AssertionError(f"unknown group {group}")
 
 
-def group_levels(cluster: Any, n: Any, stride: Any) -> list[tuple[Any, Any, Any, Any, float]]:
+def group_levels(cluster: ClusterSpec, n: Values, stride: Values) -> list[LevelGeometry]:
     """Per level: (members inside the inner domain c_{j-1}, inside this level's domain c_j,
     fan-out f_j, ceil(log2 f_j), alpha_j) of a group of n ranks at `stride`."""
     n = np.maximum(np.asarray(n, dtype=float), 1.0)
@@ -96,7 +103,8 @@ def group_levels(cluster: Any, n: Any, stride: Any) -> list[tuple[Any, Any, Any,
     return out
 
 
-def collective_coefficients(cluster: Any, kind: str, n: Any, stride: Any, levels: Any = None) -> tuple[Any, Any]:
+def collective_coefficients(cluster: ClusterSpec, kind: str, n: Values, stride: Values,
+                            levels: Optional[list[LevelGeometry]] = None) -> tuple[np.ndarray, np.ndarray]:
     """(seconds per byte, latency seconds) of a `kind` collective over n ranks at `stride`.
 
     The bandwidth bytes at every level are proportional to the buffer, so the
@@ -132,12 +140,45 @@ def collective_coefficients(cluster: Any, kind: str, n: Any, stride: Any, levels
     return slope, latency + sync
 
 
-def collective_time(cluster: Any, kind: str, size_bytes: Any, n: Any, stride: Any,
-                    coefficients: Any = None) -> Any:
+def collective_time(cluster: ClusterSpec, kind: str, size_bytes: Values, n: Optional[Values], stride: Optional[Values],
+                    coefficients: Optional[tuple[np.ndarray, np.ndarray]] = None) -> np.ndarray:
     """Seconds for one `kind` collective of `size_bytes` over n ranks at `stride` (see module doc).
 
     `coefficients`: a precomputed `collective_coefficients(...)` for the same group.
     """
     size = np.asarray(size_bytes, dtype=float)
-    slope, latency = coefficients if coefficients is not None else collective_coefficients(cluster, kind, n, stride)
+    if coefficients is None:
+        assert n is not None and stride is not None, "collective_time needs n and stride or coefficients"
+        coefficients = collective_coefficients(cluster, kind, n, stride)
+    slope, latency = coefficients
     return np.where(size > 0.0, size * slope + latency, 0.0)
+
+
+class CollectivePricer:
+    """Collective prices for one batch of layouts on one cluster: each (group, kind)
+    geometry is walked once (`collective_coefficients`), and a repeated message (the
+    same array object, e.g. the forward and backward all-to-alls of one buffer) is
+    priced once. Every time is divided by the ranks' core share (`share`, 1 off-CPU:
+    ranks beyond the cores move and reduce their messages in turns)."""
+
+    def __init__(self, cluster: ClusterSpec, lay: LayoutLike, share: Values = 1.0) -> None:
+        self.cluster, self.lay = cluster, lay
+        self.slowdown = 1.0 / np.asarray(share, dtype=float)
+        self._coef: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._levels: dict[str, Optional[list[LevelGeometry]]] = {}
+        self._times: dict[tuple[str, str, int], tuple[Values, np.ndarray]] = {}
+
+    def time(self, group: str, kind: str, size_bytes: Values) -> np.ndarray:
+        """Seconds of one `kind` collective of `size_bytes` over process group `group`."""
+        hit = self._times.get((group, kind, id(size_bytes)))
+        if hit is not None and hit[0] is size_bytes:
+            return hit[1]
+        key = (group, kind)
+        if key not in self._coef:
+            n, stride = group_geometry(self.lay, group)
+            if group not in self._levels:
+                self._levels[group] = group_levels(self.cluster, n, stride) if np.any(n > 1.0) else None
+            self._coef[key] = collective_coefficients(self.cluster, kind, n, stride, self._levels[group])
+        seconds = collective_time(self.cluster, kind, size_bytes, None, None, coefficients=self._coef[key]) * self.slowdown
+        self._times[(group, kind, id(size_bytes))] = (size_bytes, seconds)  # holds the array: its id stays unique
+        return seconds

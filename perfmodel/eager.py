@@ -8,31 +8,28 @@ the number of ops the trainer really issues, not the fused-kernel counts of Mega
 Transformer Engine that `perfmodel.operators` states for GPUs (where the host enqueues
 ahead of the device and only the excess shows).
 
-Source of every count: `calibration.eager_ops.count_trainer_ops`, which runs one training
-step of the bundled trainer's model (`mosaic.trainer.model.Transformer`, AdamW foreach=False
-as in `mosaic.trainer.train.build_optimizer`) under a `TorchDispatchMode` that counts every
-aten op reaching a backend kernel (views included: they are dispatched too) and attributes
-forward ops by module pre-hooks and backward ops by gradient hooks on each block's output.
-Measured with torch 2.13 on the 2-layer tiny MoE of examples/tiny_moe.yaml (d_model 64,
-GQA 4/2 heads, 8 experts top-2, one shared expert, SwiGLU) and its variants (MHA, non-gated,
-no shared expert, recompute full/selective); counts do not depend on mbs or widths.
-The per-op time these counts multiply is `Accelerator.launch_latency_s`, which
-`mosaic calibrate` measures on CPU the same way (`calibration.eager_ops.eager_op_seconds`:
-an eager block forward + backward with autograd, divided by its dispatch-mode op count).
+An op is an aten op that reaches a backend kernel (views included: they are dispatched
+too). Source of every count: `calibration.eager_ops.count_trainer_ops` (one training step of
+`mosaic.trainer.model.Transformer` under a `TorchDispatchMode`), on the tiny MoE of
+examples/tiny_moe.yaml and its variants; the counts do not depend on mbs or widths. The
+measured counts behind each constant are in docs/eager_counts.md, and
+tests/calibration/test_eager_ops.py recounts them against the trainer. The per-op time they
+multiply is `Accelerator.launch_latency_s`, calibrated the same way
+(`calibration.eager_ops.eager_op_seconds`: an eager block's forward + backward time divided by
+its op count).
 
-Not counted (their ops are priced elsewhere or not modelled): collectives (one launch each,
-`perfmodel.evaluate`), DTensor (tensor parallel) and expert-parallel bookkeeping ops.
-
-The trainer's own per-step collectives (`eager_step_collectives`: token count, statistics,
-gradient-norm reductions) are small all-reduces that cost their latency; `perfmodel.evaluate`
-prices them on the cluster's fabric with the step's optimizer time.
+Collectives are one launch each (`perfmodel.host`); DTensor ops (tensor parallel) are counted
+apart (`EAGER_DTENSOR_*`, priced at `dtensor_op_latency_s`). The trainer's own per-step
+collectives (`eager_step_collectives`: token count, statistics, gradient-norm reductions)
+are small all-reduces that cost their latency; `perfmodel.host.EagerHost` prices them on
+the cluster's fabric with the step's optimizer time.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+
+from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 
 EAGER_OPS = {
     # block: (forward, backward) ops per micro-batch (per layer for layer blocks)
@@ -42,50 +39,45 @@ EAGER_OPS = {
     "moe": (47.0, 72.0),          # RMSNorm, router (softmax, top-k, aux loss, counts), sort/gather, grouped GEMMs, index_add
     "head": (19.0, 34.0),         # final RMSNorm, LM head, fp32 cross-entropy, loss normalisation
 }
-"""Measured counts of the tiny MoE with multi-head attention (n_kv_heads = n_heads), gated FFNs
-and no shared expert; the corrections below give the other variants."""
+"""Counts of the tiny MoE with multi-head attention (n_kv_heads = n_heads), gated FFNs and no
+shared expert; the corrections below give the other variants."""
 EAGER_EP_OPS = (36.0, 8.0)
 """Per MoE layer with ep > 1 (expert-parallel dispatch of `mosaic.trainer.parallelize`): the
 count exchange, split sizes, the expert-major permutation, dispatch and combine all-to-alls
-and their autograd records (measured with `count_trainer_ops(arch, ep=2)` and ep=4: MoE
-layer 92/106 vs 56/98 on one device, with or without the shared expert; independent of ep)."""
+and their autograd records (`count_trainer_ops(arch, ep=2)`; independent of ep)."""
 EAGER_GQA_OPS = (8.0, 8.0)
-"""Grouped-query attention: repeat_interleave of K and V (measured GQA 86/89 vs MHA 78/81)."""
+"""Grouped-query attention: repeat_interleave of K and V."""
 EAGER_SHARED_EXPERT_OPS = (9.0, 26.0)
-"""A (gated) shared expert MLP on the MoE layer's input (measured 56/98 with, 47/72 without)."""
+"""A (gated) shared expert MLP on the MoE layer's input."""
 EAGER_UNGATED_OPS = {"dense_ffn": (-5.0, -12.0), "moe": (-5.0, -18.0)}
-"""Plain GeLU MLPs instead of SwiGLU: one projection and one product fewer (measured: dense
-19/38 vs 24/50; MoE with shared expert 51/80 vs 56/98)."""
+"""Plain GeLU MLPs instead of SwiGLU: one projection and one product fewer."""
 EAGER_FULL_RECOMPUTE_OPS = 64.0
 """Per layer, beyond re-running its forward: torch.utils.checkpoint (non-reentrant) saved-tensor
-hooks and detaches (measured: full recompute adds 380 ops per micro-batch to the 2-layer tiny
-MoE whose layer forwards are 252)."""
+hooks and detaches."""
 EAGER_SELECTIVE_RECOMPUTE_OPS = 15.0
-"""Per layer: the checkpointed attention core again (K/V repeat, SDPA) plus checkpoint hooks
-(measured +30 per micro-batch on 2 layers)."""
+"""Per layer: the checkpointed attention core again (K/V repeat, SDPA) plus checkpoint hooks."""
 EAGER_OPS_PER_PARAM_TENSOR = 13.0
 """AdamW with foreach=False (the trainer's optimizer: DTensor and plain expert tensors share a
 group): 10 ops per parameter tensor (2 add_, 2 mul_, lerp_, addcmul_, sqrt, div, addcdiv_, the
 step-count item); the global gradient norm: pow, sum, add_ per tensor."""
 EAGER_STEP_OPS = 42.0
 """Once per step: loss-normalisation all-reduce, loss and load statistics, router-bias update,
-metrics, optimizer record_function (measured: dense 2-layer step minus its parts)."""
+metrics, optimizer record_function."""
 EAGER_STEP_OPS_PER_MOE_LAYER = 17.0
 """Once per step per MoE layer: reset and gather its expert-load counters."""
 EAGER_OPS_PER_MICRO_BATCH = 13.0
-"""Per micro-batch outside the model: batch to device, loss and aux accumulation (measured
-from 2 vs 4 micro-batches of the tiny MoE)."""
+"""Per micro-batch outside the model: batch to device, loss and aux accumulation."""
 
 
-def eager_block_ops(arch: Any) -> dict[str, tuple[Any, Any]]:
+def eager_block_ops(arch: ArchLike) -> dict[str, tuple[Values, Values]]:
     """(forward, backward) eager ops per micro-batch of each block (per layer for layer blocks)."""
     f = np.asarray
     gqa = f(arch.n_kv_heads, dtype=float) < f(arch.n_heads, dtype=float)
     ungated = ~f(arch.gated_ffn, dtype=bool)
     shared = f(arch.n_shared_experts, dtype=float) > 0
-    out: dict[str, tuple[Any, Any]] = {}
-    for block, (fwd, bwd) in EAGER_OPS.items():
-        fwd, bwd = f(fwd), f(bwd)
+    out: dict[str, tuple[Values, Values]] = {}
+    for block, (fwd_count, bwd_count) in EAGER_OPS.items():
+        fwd, bwd = f(fwd_count), f(bwd_count)
         if block == "attention":
             fwd, bwd = fwd + gqa * EAGER_GQA_OPS[0], bwd + gqa * EAGER_GQA_OPS[1]
         if block == "moe":
@@ -97,7 +89,7 @@ def eager_block_ops(arch: Any) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def eager_param_tensors(arch: Any) -> dict[str, Any]:
+def eager_param_tensors(arch: ArchLike) -> dict[str, Values]:
     """Parameter tensors per block (per layer for layer blocks) of the bundled model: separate
     q/k/v/o projections and an RMSNorm weight per norm."""
     f = np.asarray
@@ -107,11 +99,11 @@ def eager_param_tensors(arch: Any) -> dict[str, Any]:
             "head": np.where(f(arch.tie_embeddings, dtype=bool), 1.0, 2.0)}
 
 
-def eager_step_ops(arch: Any, counts: dict[str, Any], micro_batches: Any) -> Any:
+def eager_step_ops(arch: ArchLike, counts: dict[str, Values], micro_batches: Values) -> Values:
     """Ops once per step on a stage holding counts[block] blocks: optimizer, gradient norm and
     the trainer's bookkeeping (micro_batches per step)."""
     tensors = eager_param_tensors(arch)
-    total: Any = 0.0
+    total: Values = 0.0
     for block, n in tensors.items():
         total = total + counts[block] * n
     return (EAGER_OPS_PER_PARAM_TENSOR * total + EAGER_STEP_OPS + EAGER_STEP_OPS_PER_MOE_LAYER * counts["moe"]
@@ -123,7 +115,7 @@ EAGER_STEP_COLLECTIVE_BYTES = 256.0
 statistics; latency-bound at any of these sizes."""
 
 
-def eager_step_collectives(lay: Any) -> dict[str, Any]:
+def eager_step_collectives(lay: LayoutLike) -> dict[str, Values]:
     """Small all-reduces the bundled trainer issues once per step, by process group
     (`perfmodel.comm.group_geometry` names; a group of one costs nothing). Source:
     mosaic/trainer/train.py and parallelize.clip_grad_norm --
@@ -144,31 +136,31 @@ EAGER_DTENSOR_OPS = {
     "moe": (2.0, 7.0),            # the replicated router weight (experts see a sequence shard, plain tensors)
     "head": (4.0, 9.0),           # column-wise LM head, logits gathered
 }
-"""Measured with `calibration.eager_ops.count_trainer_ops(arch, tp=2)` (torch 2.13, fake 2-rank
-world) on the tiny MoE of examples/tiny_moe.yaml without its shared expert (router only) and
-the dense variant; the counts do not depend on the tp degree, mbs or widths."""
+"""Counted with `calibration.eager_ops.count_trainer_ops(arch, tp=2)` (fake 2-rank world) on the
+tiny MoE without its shared expert (router only) and the dense variant; they do not depend on
+the tp degree, mbs or widths."""
 EAGER_DTENSOR_SHARED_EXPERT_OPS = (6.0, 21.0)
-"""A gated shared expert (column-wise w1/w3, row-wise w2) in the MoE layer (measured 8/28 with, 2/7 without)."""
+"""A gated shared expert (column-wise w1/w3, row-wise w2) in the MoE layer."""
 EAGER_DTENSOR_UNGATED_OPS = {"dense_ffn": (-4.0, -9.0), "moe": (-2.0, -7.0)}
-"""GeLU MLPs (no w3): dense 8/18 vs 12/27; MoE with shared expert 6/21 vs 8/28 (measured)."""
+"""GeLU MLPs (no w3)."""
 EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR = 2.0
-"""Full recompute adds about twice the layers' forward DTensor ops (measured +109 on the 2-layer
-tiny MoE whose layer forwards hold 52): the checkpointed forward re-runs and re-wraps."""
+"""Full recompute adds about twice the layers' forward DTensor ops: the checkpointed forward
+re-runs and re-wraps."""
 EAGER_DTENSOR_OPS_PER_PARAM_TENSOR = 11.0
-"""Per DTensor parameter: AdamW foreach=False runs 8 of its ops on the DTensor (measured: 136 on the
-tiny MoE's 17 DTensor parameters), the gradient norm 3 (pow, sum, accumulate; clip_grad_norm)."""
+"""Per DTensor parameter: AdamW foreach=False runs 8 of its ops on the DTensor, the gradient
+norm 3 (pow, sum, accumulate; clip_grad_norm)."""
 EAGER_DTENSOR_STEP_OPS = 2.0
 """Per step: the gradient norm's full_tensor, once per sharded placement (Shard(0), Shard(1))."""
 
 
-def eager_dtensor_block_ops(arch: Any) -> dict[str, tuple[Any, Any]]:
+def eager_dtensor_block_ops(arch: ArchLike) -> dict[str, tuple[Values, Values]]:
     """(forward, backward) DTensor ops per micro-batch of each block under tp > 1 (per layer)."""
     f = np.asarray
     ungated = ~f(arch.gated_ffn, dtype=bool)
     shared = f(arch.n_shared_experts, dtype=float) > 0
-    out: dict[str, tuple[Any, Any]] = {}
-    for block, (fwd, bwd) in EAGER_DTENSOR_OPS.items():
-        fwd, bwd = f(fwd), f(bwd)
+    out: dict[str, tuple[Values, Values]] = {}
+    for block, (fwd_count, bwd_count) in EAGER_DTENSOR_OPS.items():
+        fwd, bwd = f(fwd_count), f(bwd_count)
         if block == "moe":
             fwd = fwd + shared * EAGER_DTENSOR_SHARED_EXPERT_OPS[0]
             bwd = bwd + shared * EAGER_DTENSOR_SHARED_EXPERT_OPS[1]
@@ -181,7 +173,7 @@ def eager_dtensor_block_ops(arch: Any) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def eager_dtensor_param_tensors(arch: Any) -> dict[str, Any]:
+def eager_dtensor_param_tensors(arch: ArchLike) -> dict[str, Values]:
     """DTensor parameters per block under tp > 1: the tensor-parallel linears and the router
     weight; norms and routed experts stay plain tensors."""
     f = np.asarray
@@ -195,17 +187,17 @@ EAGER_SAVED_TENSORS = {"attention": 23.0, "dense_ffn": 15.0, "moe": 30.0}
 """Tensors autograd saves per layer block in one micro-batch's forward (what a checkpointed layer
 packs and recomputes): attention with its norm, projections, RoPE and core; the SwiGLU dense FFN
 with its norm; the MoE layer (router, dispatch, grouped experts) without a shared expert.
-Measured with `calibration.eager_ops.count_saved_tensors` on the tiny MoE (torch 2.13); they do
-not depend on widths, mbs or GQA vs MHA."""
+Counted with `calibration.eager_ops.count_saved_tensors`; they do not depend on widths, mbs or
+GQA vs MHA."""
 EAGER_SAVED_CORE = 5.0
 """Saved by the attention core alone (selective recompute's region: SDPA's inputs and outputs)."""
 EAGER_SAVED_SHARED_EXPERT = 9.0
-"""A gated shared expert in the MoE layer (measured 39 with, 30 without)."""
+"""A gated shared expert in the MoE layer."""
 EAGER_SAVED_UNGATED = {"dense_ffn": -4.0, "moe": -9.0}
-"""GeLU MLPs: dense 11 vs 15; MoE with a shared expert 30 vs 39 (measured)."""
+"""GeLU MLPs (no w3)."""
 
 
-def eager_saved_tensors(arch: Any) -> dict[str, Any]:
+def eager_saved_tensors(arch: ArchLike) -> dict[str, Values]:
     """Saved tensors per layer block of one micro-batch's forward (see EAGER_SAVED_TENSORS)."""
     f = np.asarray
     ungated = ~f(arch.gated_ffn, dtype=bool)

@@ -51,11 +51,14 @@ Sources
   (2 layers, bf16) plus one layer's unsharded fp32 gradient.
 - Framework overhead (CUDA context, communicator buffers, fragmentation):
   `cluster.framework_overhead_bytes`.
+- Per device (`memory_per_device`): the larger of the first and the last pipeline stage
+  (every other stage is bounded by one of them, `perfmodel.schedule`); what `evaluate`
+  reports and the planner prunes with.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -82,12 +85,14 @@ from perfmodel.specs.architecture import (
     expert_params,
     router_params,
 )
+from perfmodel.specs.cluster import ClusterSpec
+from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 
 MEMORY_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "moe_buffers",
                      "fsdp_buffers", "framework")
 
 
-def stage_params(arch: Any, lay: Any, counts: dict[str, Any]) -> tuple[Any, Any]:
+def stage_params(arch: ArchLike, lay: LayoutLike, counts: dict[str, Values]) -> tuple[Values, Values]:
     """(dense, expert) parameters one device of a stage holds (before dp sharding).
 
     Dense: attention/tp + 2 norms per layer, dense FFN/tp, router (replicated) and
@@ -108,19 +113,19 @@ def stage_params(arch: Any, lay: Any, counts: dict[str, Any]) -> tuple[Any, Any]
     return dense, experts
 
 
-def shard_sizes(lay: Any) -> tuple[Any, Any]:
+def shard_sizes(lay: LayoutLike) -> tuple[Values, Values]:
     """Data-parallel shard counts: dense over dp*cp, experts over edp = tp*cp*dp/(etp*ep)."""
     tp, cp, dp = (np.asarray(getattr(lay, n), dtype=float) for n in ("tp", "cp", "dp"))
     edp = np.maximum(tp * cp * dp / (np.asarray(lay.etp, dtype=float) * lay.ep), 1.0)
     return dp * cp, edp
 
 
-def optimizer_bytes_per_param(lay: Any) -> Any:
+def optimizer_bytes_per_param(lay: LayoutLike) -> Values:
     """Adam state: fp32 master + 2 moments = 12 B (mixed precision), 2 moments = 8 B (fp32)."""
     return np.where(precision_code(lay) == FP32, 8.0, 12.0)
 
 
-def layer_activation_bytes(arch: Any, lay: Any) -> dict[str, Any]:
+def layer_activation_bytes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
     """Stored activation bytes of one layer's blocks for one micro-batch (recompute none/selective).
 
     b = activation bytes, g = GEMM-input bytes: under fp8/mxfp8 Transformer Engine saves the
@@ -152,8 +157,9 @@ def layer_activation_bytes(arch: Any, lay: Any) -> dict[str, Any]:
     return {"attention": attention, "dense_ffn": dense, "moe": moe, "layer_input": b * T_sp * h}
 
 
-def stage_memory(arch: Any, lay: Any, cluster: Any, stage: str, counts: Any = None, params: Any = None,
-                 activations: Any = None) -> dict[str, Any]:
+def stage_memory(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec, stage: str, counts: Optional[dict[str, Values]] = None,
+                 params: Optional[tuple[Values, Values]] = None,
+                 activations: Optional[dict[str, Values]] = None) -> dict[str, Values]:
     """Memory components (bytes) of one device of the `first` or `last` stage.
 
     `counts` (stage_layer_counts(...)[stage]), `params` (stage_params(...)) and
@@ -177,7 +183,7 @@ def stage_memory(arch: Any, lay: Any, cluster: Any, stage: str, counts: Any = No
     one_layer = act["attention"] + ffn_max
     full = recompute_code(lay) == FULL
     per_mb = np.where(full, counts["attention"] * act["layer_input"], per_mb)
-    activations = in_flight(lay, stage) * per_mb + np.where(full, one_layer, 0.0)
+    activations_bytes = in_flight(lay, stage) * per_mb + np.where(full, one_layer, 0.0)
 
     sh = shapes(arch, lay)
     b = activation_bytes(lay)
@@ -193,9 +199,41 @@ def stage_memory(arch: Any, lay: Any, cluster: Any, stage: str, counts: Any = No
         "weights": w_bytes * held,
         "gradients": FP32_GRAD_BYTES * held,
         "optimizer": optimizer_bytes_per_param(lay) * updated,
-        "activations": activations,
+        "activations": activations_bytes,
         "logits": logits,
         "moe_buffers": moe_buffers,
         "fsdp_buffers": fsdp_buffers,
-        "framework": np.zeros_like(activations) + cluster.framework_overhead_bytes,
+        "framework": np.zeros_like(activations_bytes) + cluster.framework_overhead_bytes,
     }
+
+
+class DeviceMemory(NamedTuple):
+    """Memory per device of the larger of the first and the last pipeline stage."""
+
+    total_bytes: np.ndarray
+    breakdown: dict[str, np.ndarray]
+    """Bytes per MEMORY_COMPONENTS entry, of the larger stage."""
+    last_bigger: np.ndarray
+    """True where the last stage holds more than the first."""
+
+
+def memory_per_device(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec,
+                      counts: Optional[dict[str, dict[str, Values]]] = None,
+                      params: Optional[dict[str, tuple[Values, Values]]] = None) -> DeviceMemory:
+    """Bytes per device of the larger pipeline stage (first or last; every other stage is
+    bounded by one of them, `perfmodel.schedule`), with that stage's components.
+
+    `counts` (stage_layer_counts(...)) and `params` ({stage: stage_params(...)}) may be
+    passed when already computed."""
+    counts = stage_layer_counts(arch, lay) if counts is None else counts
+    activations = layer_activation_bytes(arch, lay)
+    mem = {stage: stage_memory(arch, lay, cluster, stage, counts[stage], None if params is None else params[stage],
+                               activations)
+           for stage in ("first", "last")}
+    total_first = sum(mem["first"][k] for k in MEMORY_COMPONENTS)
+    total_last = sum(mem["last"][k] for k in MEMORY_COMPONENTS)
+    last_bigger = total_last > total_first
+    total = np.asarray(np.where(last_bigger, total_last, total_first), dtype=float)
+    breakdown = {k: np.broadcast_to(np.where(last_bigger, mem["last"][k], mem["first"][k]), total.shape).astype(float)
+                 for k in MEMORY_COMPONENTS}
+    return DeviceMemory(total, breakdown, np.asarray(last_bigger))

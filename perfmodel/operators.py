@@ -57,11 +57,12 @@ Conventions and sources
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
 from perfmodel.specs.layout import DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES
+from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 
 PHASES = ("fwd", "dgrad", "wgrad")
 """Forward, input-gradient, weight-gradient."""
@@ -95,21 +96,21 @@ FP32_GRAD_BYTES = 4
 # Categorical layout fields as integer codes (ParallelLayout holds strings,
 # LayoutBatch holds codes).
 
-def _code(value: Any, names: tuple[str, ...]) -> Any:
+def _code(value: Union[str, np.ndarray], names: tuple[str, ...]) -> Union[int, np.ndarray]:
     if isinstance(value, str):
         return names.index(value)
     return np.asarray(value)
 
 
-def precision_code(lay: Any) -> Any:
+def precision_code(lay: LayoutLike) -> Union[int, np.ndarray]:
     return _code(lay.precision, PRECISIONS)
 
 
-def recompute_code(lay: Any) -> Any:
+def recompute_code(lay: LayoutLike) -> Union[int, np.ndarray]:
     return _code(lay.recompute, RECOMPUTE_MODES)
 
 
-def dp_flavor_code(lay: Any) -> Any:
+def dp_flavor_code(lay: LayoutLike) -> Union[int, np.ndarray]:
     return _code(lay.dp_flavor, DP_FLAVORS)
 
 
@@ -118,12 +119,12 @@ NONE, SELECTIVE, FULL = (RECOMPUTE_MODES.index(r) for r in ("none", "selective",
 DDP, ZERO1, FSDP = (DP_FLAVORS.index(f) for f in ("ddp", "zero1", "fsdp"))
 
 
-def activation_bytes(lay: Any) -> Any:
+def activation_bytes(lay: LayoutLike) -> Values:
     """Bytes per activation element: 4 for fp32 training, else 2 (bf16)."""
     return np.where(precision_code(lay) == FP32, 4.0, 2.0)
 
 
-def fp8_cast_bytes_per_element(lay: Any) -> tuple[Any, Any]:
+def fp8_cast_bytes_per_element(lay: LayoutLike) -> tuple[Values, Values]:
     """(HBM bytes, kernels) per quantised element under fp8 (current scaling) and mxfp8;
     0 for other precisions (see the module doc, "FP8 casts")."""
     code = precision_code(lay)
@@ -132,12 +133,12 @@ def fp8_cast_bytes_per_element(lay: Any) -> tuple[Any, Any]:
     return nbytes, np.where(code == FP8, 2.0, np.where(code == MXFP8, 1.0, 0.0))
 
 
-def gemm_operand_bytes(lay: Any) -> Any:
+def gemm_operand_bytes(lay: LayoutLike) -> Values:
     """Bytes per GEMM operand element: 1 under fp8/mxfp8, else the activation size."""
     return np.where(precision_code(lay) >= FP8, 1.0, activation_bytes(lay))
 
 
-def weight_bytes(lay: Any) -> Any:
+def weight_bytes(lay: LayoutLike) -> Values:
     """Bytes per parameter of the model weights: fp32 4; bf16/fp16 2; fp8 keeps the
     bf16 weight plus a 1-byte fp8 copy (Transformer Engine) = 3."""
     code = precision_code(lay)
@@ -153,10 +154,10 @@ class Op:
     name: str
     block: str
     kind: str
-    flops: tuple[Any, Any, Any]
-    bytes: tuple[Any, Any, Any]
-    kernels: tuple[Any, Any, Any]
-    kernel_flops: tuple[Any, Any, Any]
+    flops: tuple[Values, Values, Values]
+    bytes: tuple[Values, Values, Values]
+    kernels: tuple[Values, Values, Values]
+    kernel_flops: tuple[Values, Values, Values]
     overlappable: bool
     size_phase: int = 0
     """The phase whose kernel size sets the efficiencies of all three (the forward,
@@ -164,7 +165,7 @@ class Op:
 
     def row(self, i: int | None = None) -> dict[str, Any]:
         """Plain numbers (of candidate i for a batch) for tables and JSON."""
-        def pick(x: Any) -> float:
+        def pick(x: Values) -> float:
             arr = np.asarray(x, dtype=float)
             return float(arr if arr.ndim == 0 else arr[i or 0])
         out: dict[str, Any] = {"name": self.name, "block": self.block, "kind": self.kind,
@@ -191,11 +192,11 @@ class Comm:
     group: str
     kind: str
     phase: str
-    bytes: Any
+    bytes: Values
 
 
-def _gemm(name: str, block: str, kind: str, m: Any, k: Any, n: Any, b_in: Any, b_out: Any,
-          groups: Any = 1.0) -> Op:
+def _gemm(name: str, block: str, kind: str, m: Values, k: Values, n: Values, b_in: Values, b_out: Values,
+          groups: Values = 1.0) -> Op:
     """A (possibly grouped) GEMM of m x k by k x n in total, split into `groups` equal
     sub-problems (local experts). Transformer Engine's grouped GEMM (Megatron-Core
     `TEGroupedMLP` -> `GroupedLinear` -> `te_general_grouped_gemm`) issues one cuBLAS GEMM
@@ -211,15 +212,15 @@ def _gemm(name: str, block: str, kind: str, m: Any, k: Any, n: Any, b_in: Any, b
               (groups, groups, groups), (size, size, size), True)
 
 
-def _memory(name: str, block: str, fwd_bytes: Any, bwd_bytes: Any, kernels_fwd: Any = 1.0,
-            kernels_bwd: Any = 1.0, size_phase: int = 0) -> Op:
+def _memory(name: str, block: str, fwd_bytes: Values, bwd_bytes: Values, kernels_fwd: Values = 1.0,
+            kernels_bwd: Values = 1.0, size_phase: int = 0) -> Op:
     """A bandwidth-bound kernel (its few FLOPs per element are not the limit)."""
     return Op(name, block, "memory", (0.0, 0.0, 0.0), (fwd_bytes, bwd_bytes, 0.0),
               (kernels_fwd, kernels_bwd, 0.0), (0.0, 0.0, 0.0), False, size_phase)
 
 
-def _fp8_cast(block: str, lay: Any, fwd_elements: Any, bwd_elements: Any, casts_fwd: float,
-              casts_bwd: float) -> Op:
+def _fp8_cast(block: str, lay: LayoutLike, fwd_elements: Values, bwd_elements: Values, casts_fwd: Values,
+              casts_bwd: Values) -> Op:
     """The separate fp8 quantisation kernels of a block's fp8 GEMMs (zero unless fp8/mxfp8)."""
     per_element, kernels = fp8_cast_bytes_per_element(lay)
     return _memory("fp8_cast", block, per_element * fwd_elements, per_element * bwd_elements,
@@ -230,7 +231,7 @@ def _fp8_cast(block: str, lay: Any, fwd_elements: Any, bwd_elements: Any, casts_
 _SHAPES_CACHE: list[Any] = [None, None, None]
 
 
-def shapes(arch: Any, lay: Any) -> dict[str, Any]:
+def shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
     """Token counts and widths (see `_shapes`), memoised for the last (arch, lay) pair."""
     cache = _SHAPES_CACHE
     if cache[0] is arch and cache[1] is lay:
@@ -240,7 +241,7 @@ def shapes(arch: Any, lay: Any) -> dict[str, Any]:
     return out
 
 
-def _shapes(arch: Any, lay: Any) -> dict[str, Any]:
+def _shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
     """Token counts and widths of one micro-batch on one device (all as floats/arrays).
 
     T      tokens of the micro-batch on this rank: mbs * s / cp
@@ -283,7 +284,7 @@ def _shapes(arch: Any, lay: Any) -> dict[str, Any]:
     }
 
 
-def _act_bytes(gated: Any, rows: Any, width: Any, b: Any) -> tuple[Any, Any]:
+def _act_bytes(gated: Values, rows: Values, width: Values, b: Values) -> tuple[Values, Values]:
     """SwiGLU reads gate+up and writes one (3 tensors), backward reads 3 writes 2;
     GeLU reads 1 writes 1, backward reads 2 writes 1."""
     fwd = np.where(gated, 3.0, 2.0) * rows * width * b
@@ -291,7 +292,7 @@ def _act_bytes(gated: Any, rows: Any, width: Any, b: Any) -> tuple[Any, Any]:
     return fwd, bwd
 
 
-def attention_ops(arch: Any, lay: Any) -> list[Op]:
+def attention_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
     """Input norm, QKV projection, RoPE, flash-attention core, output projection, residual."""
     sh = shapes(arch, lay)
     b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
@@ -315,7 +316,7 @@ def attention_ops(arch: Any, lay: Any) -> list[Op]:
     ]
 
 
-def _mlp_ops(prefix: str, block: str, sh: dict[str, Any], width: Any, b: Any, b_in: Any) -> list[Op]:
+def _mlp_ops(prefix: str, block: str, sh: dict[str, Values], width: Values, b: Values, b_in: Values) -> list[Op]:
     """Megatron MLP split over tp: up (gate+up fused when gated), activation, down."""
     T, h, tp, gated = sh["T"], sh["h"], sh["tp"], sh["gated"]
     act_f, act_b = _act_bytes(gated, T, width / tp, b)
@@ -329,7 +330,7 @@ def _mlp_ops(prefix: str, block: str, sh: dict[str, Any], width: Any, b: Any, b_
     ]
 
 
-def dense_ffn_ops(arch: Any, lay: Any) -> list[Op]:
+def dense_ffn_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
     """Norm, dense MLP of width d_ff_dense, residual."""
     sh = shapes(arch, lay)
     b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
@@ -344,7 +345,7 @@ def dense_ffn_ops(arch: Any, lay: Any) -> list[Op]:
     ]
 
 
-def moe_ops(arch: Any, lay: Any) -> list[Op]:
+def moe_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
     """Norm, router (+softmax/top-k, load-balancing loss), permute, grouped expert GEMMs, un-permute and
     combine, shared experts, residual."""
     sh = shapes(arch, lay)
@@ -389,7 +390,7 @@ def moe_ops(arch: Any, lay: Any) -> list[Op]:
     return ops
 
 
-def embedding_ops(arch: Any, lay: Any) -> list[Op]:
+def embedding_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
     """Vocab-parallel embedding lookup (first stage); backward scatter-adds into the
     fp32 gradient of the table."""
     sh = shapes(arch, lay)
@@ -398,7 +399,7 @@ def embedding_ops(arch: Any, lay: Any) -> list[Op]:
                     (b + 2.0 * FP32_GRAD_BYTES) * sh["T"] * sh["h"], 2.0, 2.0)]
 
 
-def head_ops(arch: Any, lay: Any) -> list[Op]:
+def head_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
     """Final norm, vocab-parallel LM head (bf16 even under fp8, see the module doc), fp32
     softmax cross-entropy (last stage)."""
     sh = shapes(arch, lay)
@@ -414,7 +415,7 @@ def head_ops(arch: Any, lay: Any) -> list[Op]:
     ]
 
 
-def layer_ops(arch: Any, lay: Any) -> dict[str, list[Op]]:
+def layer_ops(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Op]]:
     """Every operator per block, for one micro-batch on one device: the explanation table.
 
     Blocks: attention (every layer), dense_ffn (dense layers), moe (routed layers),
@@ -430,7 +431,7 @@ def layer_ops(arch: Any, lay: Any) -> dict[str, list[Op]]:
     }
 
 
-def layer_comms(arch: Any, lay: Any) -> dict[str, list[Comm]]:
+def layer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]]:
     """Collectives of each block per micro-batch on one device (before placement/pricing).
 
     - attention / dense FFN: one tp all-reduce of T*h forward (after the row-parallel
@@ -486,20 +487,19 @@ def layer_comms(arch: Any, lay: Any) -> dict[str, list[Comm]]:
     return {"attention": attn, "dense_ffn": dense, "moe": moe, "embedding": embedding, "head": head}
 
 
-def eager_trainer_comms(arch: Any, lay: Any) -> dict[str, list[Comm]]:
+def eager_trainer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]]:
     """`layer_comms` with the bundled trainer's tensor-parallel collectives in place of
     Megatron's where it runs without sequence parallel (CPU clusters: their ranks run it).
 
     The trainer keeps q/k/v and w1/w3 as separate DTensor linears (torch ColwiseParallel), so
     each adds its own input-gradient all-reduce; MoE layers route a sequence shard per tp rank
     and gather the output; the LM head gathers full logits (no vocab-parallel loss). Counted
-    per micro-batch with `calibration.eager_ops.fake_world` and torch.profiler on the tiny MoE,
-    its dense, ungated and no-shared-expert variants and 1-3 layers (torch 2.13):
-    attention fwd 1 / bwd 3 all-reduces of T*h; dense FFN 1 / 2 (1 ungated); MoE layer: fwd
-    the router's load statistics (E fp32 values) and the output all-gather, bwd the input
-    gradient's all-gather; a gated shared expert fwd all-gather + reduce-scatter, bwd 2
-    all-reduces + 1 all-gather (1 all-reduce ungated); embedding fwd 1 all-reduce; head fwd
-    an all-gather of T*V logits, bwd 1 all-reduce. With sequence parallel (not counted) the
+    per micro-batch with `calibration.eager_ops.fake_world` and torch.profiler
+    (docs/eager_counts.md): attention fwd 1 / bwd 3 all-reduces of T*h; dense FFN 1 / 2
+    (1 ungated); MoE layer: fwd the router's load statistics (E fp32 values) and the output
+    all-gather, bwd the input gradient's all-gather; a gated shared expert fwd all-gather +
+    reduce-scatter, bwd 2 all-reduces + 1 all-gather (1 all-reduce ungated); embedding fwd 1
+    all-reduce; head fwd an all-gather of T*V logits, bwd 1 all-reduce. With sequence parallel (not counted) the
     Megatron list stays. Expert parallel adds the exchange of per-expert token counts (E int64)
     before each dispatch.
     """
@@ -513,7 +513,7 @@ def eager_trainer_comms(arch: Any, lay: Any) -> dict[str, list[Comm]]:
     logits = np.where(plain, b * sh["T"] * np.asarray(arch.vocab_size, dtype=float), 0.0)
     router_stats = np.where(plain, 4.0 * np.asarray(arch.n_experts, dtype=float), 0.0)
 
-    def tp(name: str, block: str, kind: str, phase: str, size: Any) -> Comm:
+    def tp(name: str, block: str, kind: str, phase: str, size: Values) -> Comm:
         return Comm(name, block, "tp", kind, phase, size)
 
     def megatron(block: str) -> list[Comm]:

@@ -24,14 +24,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from perfmodel.specs.architecture import n_ffn_dense_layers
+from perfmodel.specs.cluster import ClusterSpec
+from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 
 
-def stage_layer_counts(arch: Any, lay: Any) -> dict[str, dict[str, Any]]:
+def stage_layer_counts(arch: ArchLike, lay: LayoutLike) -> dict[str, dict[str, Values]]:
     """Blocks held by the first and the last pipeline stage (counts as floats/arrays).
 
     Returns {"first": {...}, "last": {...}} with keys attention, dense_ffn, moe,
@@ -51,12 +51,12 @@ def stage_layer_counts(arch: Any, lay: Any) -> dict[str, dict[str, Any]]:
     }
 
 
-def micro_batches(lay: Any) -> Any:
+def micro_batches(lay: LayoutLike) -> Values:
     """m = gbs / (mbs * dp): micro-batches per step per pipeline (at least 1)."""
     return np.maximum(np.asarray(lay.gbs, dtype=float) / (np.asarray(lay.mbs, dtype=float) * lay.dp), 1.0)
 
 
-def in_flight(lay: Any, stage: str) -> Any:
+def in_flight(lay: LayoutLike, stage: str) -> Values:
     """Micro-batches whose activations stage `first` (rank 0) or `last` holds at peak."""
     pp = np.asarray(lay.pp, dtype=float)
     vpp = np.asarray(lay.vpp, dtype=float)
@@ -67,21 +67,21 @@ def in_flight(lay: Any, stage: str) -> Any:
     return np.minimum(held, micro_batches(lay))
 
 
-def bubble_slots(lay: Any) -> Any:
+def bubble_slots(lay: LayoutLike) -> Values:
     """Extra micro-batch slots of 1F1B: (pp - 1) / vpp (0 without a pipeline)."""
     return (np.asarray(lay.pp, dtype=float) - 1.0) / np.asarray(lay.vpp, dtype=float)
 
 
-def nodes(cluster: Any, devices: Any) -> Any:
+def nodes(cluster: ClusterSpec, devices: Values) -> Values:
     """Nodes a job of `devices` occupies (innermost fabric level = node)."""
     return np.ceil(np.asarray(devices, dtype=float) / cluster.node_devices)
 
 
-def straggler_factor(cluster: Any, devices: Any) -> Any:
+def straggler_factor(cluster: ClusterSpec, devices: Values) -> Values:
     return cluster.straggler.factor(nodes(cluster, devices))
 
 
-def checkpoint_interval_s(cluster: Any, devices: Any) -> Any:
+def checkpoint_interval_s(cluster: ClusterSpec, devices: Values) -> Values:
     """Young's optimal checkpoint interval sqrt(2 * delta * M) (inf without MTBF or delta)."""
     gp = cluster.goodput
     if gp.node_mtbf_hours is None or gp.checkpoint_s <= 0:
@@ -90,7 +90,7 @@ def checkpoint_interval_s(cluster: Any, devices: Any) -> Any:
     return np.sqrt(2.0 * gp.checkpoint_s * mtbf_s)
 
 
-def goodput(cluster: Any, devices: Any) -> Any:
+def goodput(cluster: ClusterSpec, devices: Values) -> Values:
     """Fraction of wall time that trains, eta_good (the planner's C_deliverable factor).
 
     `eta` when the cluster file gives it; otherwise Young/Daly from the node MTBF:
@@ -101,6 +101,7 @@ def goodput(cluster: Any, devices: Any) -> Any:
     if gp.eta is not None:
         out = np.full(np.shape(devices), float(gp.eta))
         return out if np.ndim(devices) else float(gp.eta)
+    assert gp.node_mtbf_hours is not None  # Goodput holds exactly one of eta and node_mtbf_hours
     mtbf_s = gp.node_mtbf_hours * 3600.0 / nodes(cluster, devices)
     eta = 1.0 - np.sqrt(2.0 * gp.checkpoint_s / mtbf_s) - gp.restart_s / mtbf_s
     eta = np.clip(eta, 0.0, 1.0)

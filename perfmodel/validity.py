@@ -10,71 +10,74 @@ into messages for one configuration.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
+from perfmodel.specs.architecture import MoEArchitecture
+from perfmodel.specs.layout import ParallelLayout
+from perfmodel.specs.protocols import ArchLike, Flag, LayoutLike
 
 
-def _a(x: Any) -> np.ndarray:
+def _a(x: ArrayLike) -> np.ndarray:
     return np.asarray(x)
 
 
-def tp_divides_heads(arch: Any, lay: Any) -> Any:
+def tp_divides_heads(arch: ArchLike, lay: LayoutLike) -> Flag:
     """Megatron splits heads over tp: tp | n_heads and tp | n_kv_heads."""
     return (_a(arch.n_heads) % lay.tp == 0) & (_a(arch.n_kv_heads) % lay.tp == 0)
 
 
-def tp_divides_ffn(arch: Any, lay: Any) -> Any:
+def tp_divides_ffn(arch: ArchLike, lay: LayoutLike) -> Flag:
     """Dense FFN and shared experts are split over tp: tp | their widths (when present)."""
     dense_ok = (_a(arch.d_ff_dense) % lay.tp == 0) | (_a(arch.d_ff_dense) == 0)
     shared_ok = (_a(arch.n_shared_experts) * arch.d_expert % lay.tp == 0)
     return dense_ok & shared_ok
 
 
-def cp_divides_seq(arch: Any, lay: Any) -> Any:
+def cp_divides_seq(arch: ArchLike, lay: LayoutLike) -> Flag:
     """Context parallel splits the sequence into 2*cp chunks (load-balanced causal CP)."""
     return (_a(lay.cp) == 1) | (_a(arch.seq_len) % (2 * _a(lay.cp)) == 0)
 
 
-def pp_divides_layers(arch: Any, lay: Any) -> Any:
+def pp_divides_layers(arch: ArchLike, lay: LayoutLike) -> Flag:
     """Layers split evenly over pp * vpp model chunks."""
     return _a(arch.n_layers) % (_a(lay.pp) * lay.vpp) == 0
 
 
-def vpp_needs_pp(arch: Any, lay: Any) -> Any:
+def vpp_needs_pp(arch: ArchLike, lay: LayoutLike) -> Flag:
     """Interleaving (vpp > 1) needs a pipeline (pp > 1)."""
     return (_a(lay.vpp) == 1) | (_a(lay.pp) > 1)
 
 
-def ep_divides_experts(arch: Any, lay: Any) -> Any:
+def ep_divides_experts(arch: ArchLike, lay: LayoutLike) -> Flag:
     """Routed experts split evenly over ep; a dense model has ep = 1."""
     n_experts = _a(arch.n_experts)
     return np.where(n_experts > 0, n_experts % np.asarray(lay.ep) == 0, _a(lay.ep) == 1)
 
 
-def expert_folding(arch: Any, lay: Any) -> Any:
+def expert_folding(arch: ArchLike, lay: LayoutLike) -> Flag:
     """Parallel folding: etp * ep divides tp * cp * dp (edp = tp*cp*dp / (etp*ep) is whole)."""
     return (_a(lay.tp) * lay.cp * lay.dp) % (_a(lay.etp) * lay.ep) == 0
 
 
-def etp_divides_expert(arch: Any, lay: Any) -> Any:
+def etp_divides_expert(arch: ArchLike, lay: LayoutLike) -> Flag:
     """Expert tensor parallel splits d_expert: etp | d_expert (etp = 1 for dense)."""
     return np.where(_a(arch.n_experts) > 0, _a(arch.d_expert) % _a(lay.etp) == 0, _a(lay.etp) == 1)
 
 
-def batch_divides(arch: Any, lay: Any) -> Any:
+def batch_divides(arch: ArchLike, lay: LayoutLike) -> Flag:
     """gbs is a whole number of micro-batches per data-parallel rank."""
     return _a(lay.gbs) % (_a(lay.mbs) * lay.dp) == 0
 
 
-def world_matches(arch: Any, lay: Any, devices: Any) -> Any:
+def world_matches(arch: ArchLike, lay: LayoutLike, devices: ArrayLike) -> Flag:
     """tp * cp * pp * dp uses exactly the devices of the job."""
     return _a(lay.tp) * lay.cp * lay.pp * lay.dp == _a(devices)
 
 
-RULES: tuple[tuple[str, Callable[..., Any], str], ...] = (
+RULES: tuple[tuple[str, Callable[[ArchLike, LayoutLike], Flag], str], ...] = (
     ("tp_divides_heads", tp_divides_heads, "tp={tp} must divide n_heads={n_heads} and n_kv_heads={n_kv_heads}; pick a common divisor"),
     ("tp_divides_ffn", tp_divides_ffn, "tp={tp} must divide d_ff_dense={d_ff_dense} and n_shared_experts*d_expert; pick a divisor"),
     ("cp_divides_seq", cp_divides_seq, "cp={cp}: seq_len={seq_len} must be a multiple of 2*cp; change cp or seq_len"),
@@ -87,7 +90,7 @@ RULES: tuple[tuple[str, Callable[..., Any], str], ...] = (
 )
 
 
-def valid_mask(arch: Any, lay: Any, devices: Any) -> np.ndarray:
+def valid_mask(arch: ArchLike, lay: LayoutLike, devices: ArrayLike) -> np.ndarray:
     """All rules at once over arrays (what the search uses)."""
     ok = np.asarray(world_matches(arch, lay, devices), dtype=bool)
     for _, rule, _ in RULES:
@@ -95,7 +98,7 @@ def valid_mask(arch: Any, lay: Any, devices: Any) -> np.ndarray:
     return ok
 
 
-def violations(arch: Any, layout: Any, devices: int) -> list[str]:
+def violations(arch: MoEArchitecture, layout: ParallelLayout, devices: int) -> list[str]:
     """Every violated rule of one configuration, as a message naming fields and fix."""
     if layout.dp is None or layout.gbs is None:
         layout = layout.resolve(devices)
@@ -103,14 +106,14 @@ def violations(arch: Any, layout: Any, devices: int) -> list[str]:
     messages = []
     if not world_matches(arch, layout, devices):
         messages.append(f"world_matches: tp*cp*pp*dp={layout.world()} must equal the device count {devices}; "
-                        "change dp or --devices")
+                        "change dp or the device count")
     for name, rule, template in RULES:
         if not bool(rule(arch, layout)):
             messages.append(f"{name}: " + template.format(**fields))
     return messages
 
 
-def validate(arch: Any, layout: Any, devices: int) -> None:
+def validate(arch: MoEArchitecture, layout: ParallelLayout, devices: int) -> None:
     """Raise one InputError listing every violated rule (none: return quietly)."""
     problems = violations(arch, layout, devices)
     if problems:

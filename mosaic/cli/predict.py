@@ -10,7 +10,7 @@ valid but infeasible one (memory, precision) prints its prediction and exits 1.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.table import Table
@@ -19,11 +19,22 @@ from mosaic.cli.common import cli_errors, console, err_console, print_json
 from perfmodel.errors import InfeasibleError, InputError
 from perfmodel.specs.strict import save_figure_atomic
 
+if TYPE_CHECKING:
+    from perfmodel.specs.cluster import ClusterSpec
+
 FIX_HINTS = {
     "memory": "try recompute=full or selective, a smaller mbs, more tp/pp/ep, or dp_flavor=zero1/fsdp",
     "precision": "choose a precision the accelerator has a peak for (see `mosaic show-cluster`)",
     "devices": "use at most the cluster's device count or edit its 'devices' key",
 }
+
+
+def _within_cluster(spec: ClusterSpec, n: int, option: str) -> None:
+    """The cluster's count bounds the job (`ClusterSpec.with_devices`); its error names `option`."""
+    try:
+        spec.with_devices(n)
+    except InputError as exc:
+        raise InputError(f"{option}: {exc}") from None
 
 
 def _gb(value: Optional[float]) -> str:
@@ -175,7 +186,7 @@ def predict(
         from perfmodel.layouts import best_layouts
 
         n = spec.devices if devices is None else devices
-        spec.with_devices(n)  # the cluster's count is the upper bound
+        _within_cluster(spec, n, "--devices")
         if precision is not None and precision not in PRECISIONS:
             raise InputError(f"--precision {precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
         if top < 1:
@@ -223,7 +234,7 @@ def predict(
         if devices is not None and devices != n:
             raise InputError(f"--devices {devices} disagrees with the layout's world size tp*cp*pp*dp={n}; "
                              "drop --devices or dp")
-    spec.with_devices(n)
+    _within_cluster(spec, n, "--devices" if devices is not None else "--layout")
     problems = violations(arch, lay, n)
     if problems:
         raise InputError("invalid layout: " + "; ".join(problems))

@@ -31,7 +31,7 @@ import numpy as np
 
 import perfmodel
 from mosaic.planner.space import global_batch
-from perfmodel.memory import MEMORY_COMPONENTS, stage_memory
+from perfmodel.memory import stage_memory
 from perfmodel.specs.architecture import ArchBatch
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LAYOUT_FIELDS, RECOMPUTE_MODES, LayoutBatch
@@ -49,12 +49,9 @@ STATIC_FREE_FIELDS = ("mbs", "recompute", "sequence_parallel", "gbs")
 
 
 def memory_per_device(archs: ArchBatch, lays: LayoutBatch, cluster: ClusterSpec) -> np.ndarray:
-    """Bytes per device of the larger pipeline stage (what `evaluate` reports)."""
-    totals = []
-    for stage in ("first", "last"):
-        parts = stage_memory(archs, lays, cluster, stage)
-        totals.append(sum(parts[k] for k in MEMORY_COMPONENTS))
-    return np.maximum(totals[0], totals[1]).astype(float)
+    """Bytes per device of the larger pipeline stage (`perfmodel.memory.memory_per_device`,
+    what `evaluate` reports)."""
+    return perfmodel.memory.memory_per_device(archs, lays, cluster).total_bytes
 
 
 def recompute_siblings(grid: LayoutBatch) -> list[np.ndarray]:

@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
+from perfmodel.specs.protocols import ArchLike, Values
 from perfmodel.specs.strict import check
 
 ARCH_FIELDS = (
@@ -154,65 +155,65 @@ class ArchBatch:
         values = {name: getattr(self, name)[i].item() for name in ARCH_FIELDS}
         return MoEArchitecture(**values)
 
-    def take(self, index: Any) -> ArchBatch:
+    def take(self, index: Union[int, slice, np.ndarray]) -> ArchBatch:
         return ArchBatch(**{name: np.asarray(getattr(self, name))[index] for name in ARCH_FIELDS})
 
 
 # ---------------------------------------------------------------------------
 # Derived quantities: pure functions over MoEArchitecture or ArchBatch.
 
-def ffn_matrices(arch: Any) -> Any:
+def ffn_matrices(arch: ArchLike) -> Values:
     """Weight matrices per FFN: 3 for gated (SwiGLU), 2 for a plain MLP."""
     return np.where(arch.gated_ffn, 3, 2)
 
 
-def n_moe_layers(arch: Any) -> Any:
+def n_moe_layers(arch: ArchLike) -> Values:
     """Layers whose FFN is routed (0 for a dense model)."""
     return np.where(np.asarray(arch.n_experts) > 0, np.asarray(arch.n_layers) - arch.n_dense_layers, 0)
 
 
-def n_ffn_dense_layers(arch: Any) -> Any:
+def n_ffn_dense_layers(arch: ArchLike) -> Values:
     """Layers whose FFN is the dense d_ff_dense MLP."""
     return np.asarray(arch.n_layers) - n_moe_layers(arch)
 
 
-def attention_params_per_layer(arch: Any) -> Any:
+def attention_params_per_layer(arch: ArchLike) -> Values:
     """QKV + output projections: h*(h_q + 2*h_kv) + h_q*h."""
     h_q = np.asarray(arch.n_heads) * arch.head_dim
     h_kv = np.asarray(arch.n_kv_heads) * arch.head_dim
     return np.asarray(arch.d_model) * (h_q + 2 * h_kv) + h_q * arch.d_model
 
 
-def expert_params(arch: Any) -> Any:
+def expert_params(arch: ArchLike) -> Values:
     """Parameters of one expert (routed or shared): (2|3) * h * d_expert."""
     return ffn_matrices(arch) * np.asarray(arch.d_model) * arch.d_expert
 
 
-def dense_ffn_params(arch: Any) -> Any:
+def dense_ffn_params(arch: ArchLike) -> Values:
     """Parameters of one dense FFN: (2|3) * h * d_ff_dense."""
     return ffn_matrices(arch) * np.asarray(arch.d_model) * arch.d_ff_dense
 
 
-def router_params(arch: Any) -> Any:
+def router_params(arch: ArchLike) -> Values:
     return np.asarray(arch.d_model) * arch.n_experts
 
 
-def norm_params(arch: Any) -> Any:
+def norm_params(arch: ArchLike) -> Values:
     """Two RMSNorm weights per layer plus the final norm."""
     return np.asarray(arch.d_model) * (2 * np.asarray(arch.n_layers) + 1)
 
 
-def embedding_params(arch: Any) -> Any:
+def embedding_params(arch: ArchLike) -> Values:
     """Input embedding plus the LM head unless tied."""
     per_matrix = np.asarray(arch.vocab_size) * arch.d_model
     return per_matrix * np.where(arch.tie_embeddings, 1, 2)
 
 
-def _moe_layer_params(arch: Any, routed_experts: Any) -> Any:
+def _moe_layer_params(arch: ArchLike, routed_experts: Values) -> Values:
     return router_params(arch) + (routed_experts + np.asarray(arch.n_shared_experts)) * expert_params(arch)
 
 
-def total_params(arch: Any, embeddings: bool = False) -> Any:
+def total_params(arch: ArchLike, embeddings: bool = False) -> Values:
     """N_tot: every parameter (non-embedding unless `embeddings`)."""
     body = (
         np.asarray(arch.n_layers) * attention_params_per_layer(arch)
@@ -223,7 +224,7 @@ def total_params(arch: Any, embeddings: bool = False) -> Any:
     return body + embedding_params(arch) if embeddings else body
 
 
-def active_params(arch: Any, embeddings: bool = False) -> Any:
+def active_params(arch: ArchLike, embeddings: bool = False) -> Values:
     """N_act: parameters one token passes through (top_k routed + shared experts)."""
     body = (
         np.asarray(arch.n_layers) * attention_params_per_layer(arch)
@@ -234,30 +235,30 @@ def active_params(arch: Any, embeddings: bool = False) -> Any:
     return body + embedding_params(arch) if embeddings else body
 
 
-def sparsity(arch: Any) -> Any:
+def sparsity(arch: ArchLike) -> Values:
     """S = 1 - N_act/N_tot (non-embedding): fraction of parameters inactive per token."""
     return 1.0 - active_params(arch) / total_params(arch)
 
 
-def expert_sparsity(arch: Any) -> Any:
+def expert_sparsity(arch: ArchLike) -> Values:
     """1 - k/E (Abnar et al. 2025's S); 0 for dense models."""
     n_experts = np.asarray(arch.n_experts)
     return np.where(n_experts > 0, 1.0 - np.asarray(arch.top_k) / np.maximum(n_experts, 1), 0.0)
 
 
-def granularity(arch: Any) -> Any:
+def granularity(arch: ArchLike) -> Values:
     """G = d_ff_ref / d_expert with d_ff_ref = ffn_ratio * d_model; 1 for dense models."""
     d_expert = np.asarray(arch.d_expert)
     ratio = np.asarray(arch.ffn_ratio) * arch.d_model / np.maximum(d_expert, 1)
     return np.where((np.asarray(arch.n_experts) > 0) & (d_expert > 0), ratio, 1.0)
 
 
-def attention_flops_per_token(arch: Any) -> Any:
+def attention_flops_per_token(arch: ArchLike) -> Values:
     """Score and value matmuls, forward+backward, no causal discount: 12*L*s*h_q."""
     return 12.0 * np.asarray(arch.n_layers) * arch.seq_len * np.asarray(arch.n_heads) * arch.head_dim
 
 
-def model_flops_per_token(arch: Any) -> Any:
+def model_flops_per_token(arch: ArchLike) -> Values:
     """Training model FLOPs per token (PaLM/Megatron convention, DESIGN.md).
 
     6*N_act (non-embedding) + 6*h*V (LM head) + 12*L*s*h_q (attention, no causal

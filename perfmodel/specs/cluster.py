@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 import yaml
+from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
 from perfmodel.specs.strict import check, spec_to_dict
@@ -48,7 +49,7 @@ class EfficiencyCurve:
         check(all(0 < v <= 1 for v in self.values), "values",
               f"efficiencies must be in (0, 1], got {list(self.values)}", "use fractions of peak")
 
-    def __call__(self, size: Any) -> Any:
+    def __call__(self, size: ArrayLike) -> np.ndarray:
         log_size = np.log10(np.maximum(np.asarray(size, dtype=float), 1e-30))
         return np.interp(log_size, np.log10(self.sizes), self.values)
 
@@ -87,8 +88,8 @@ class Accelerator:
     """Host time per tensor a checkpointed region saves (pack, recompute, unpack hooks)."""
     attention_efficiency_vs_gemm: Optional[float] = None
     """The attention core's achieved rate over a dense GEMM's of equal FLOPs (same precision);
-    None: priced as that GEMM. Measured by `mosaic calibrate` from its SDPA points (on cpu
-    torch's flash kernel ran at 0.29-0.52 of a GEMM's rate, see cpu_local.yaml)."""
+    None: priced as that GEMM. Measured by `mosaic calibrate` from its SDPA points (the cpu
+    figures: docs/validation.md)."""
     dtensor_op_latency_s: Optional[float] = None
     """Host time one DTensor op adds beyond the single-device ops (tensor parallel in eager
     PyTorch: sharding propagation, wrapping); priced on CPU clusters, whose ranks run the
@@ -232,7 +233,7 @@ class Straggler:
     def __post_init__(self) -> None:
         check(0 <= self.cv < 1, "cv", f"must be in [0, 1), got {self.cv}", "use a small fraction, e.g. 0.01")
 
-    def factor(self, nodes: Any) -> Any:
+    def factor(self, nodes: ArrayLike) -> np.ndarray:
         return 1.0 + self.cv * np.sqrt(2.0 * np.log(np.maximum(np.asarray(nodes, dtype=float), 1.0)))
 
 
@@ -275,7 +276,7 @@ class ClusterSpec:
         """Devices per node: the innermost level's group."""
         return self.levels[0].devices
 
-    def level_for_span(self, span_devices: Any) -> Any:
+    def level_for_span(self, span_devices: ArrayLike) -> np.ndarray:
         """Index of the innermost level whose group holds `span_devices` consecutive ranks."""
         sizes = np.asarray([lvl.devices for lvl in self.levels])
         index = np.searchsorted(sizes, np.asarray(span_devices), side="left")
@@ -288,7 +289,7 @@ class ClusterSpec:
 
     def with_devices(self, devices: int) -> ClusterSpec:
         if devices > self.devices:
-            raise InputError(f"--devices {devices} exceeds cluster '{self.name}' size {self.devices}; "
+            raise InputError(f"devices={devices} exceeds cluster '{self.name}' size {self.devices}; "
                              "use at most the cluster's count or edit its 'devices' key")
         return dataclasses.replace(self, devices=devices)
 

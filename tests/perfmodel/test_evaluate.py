@@ -322,7 +322,7 @@ def test_shared_block_tables_equal_pricing_every_row(monkeypatch):
     """Grids (geometries x layouts) price each distinct operator table once; results are identical."""
     import sys
 
-    module = sys.modules["perfmodel.evaluate"]
+    module = sys.modules["perfmodel.tables"]
     strings = [f"tp={tp},ep={ep},pp={pp},mbs={mbs},dp_flavor={fl},recompute={rc}"
                for tp in (1, 2) for ep in (1, 4, 16) for pp in (1, 2, 4) for mbs in (1, 2) for fl in ("ddp", "fsdp")
                for rc in ("none", "full")]
@@ -330,9 +330,9 @@ def test_shared_block_tables_equal_pricing_every_row(monkeypatch):
     archs = ArchBatch.stack([SMALL_MOE, SMALL_MOE.replace(top_k=4), DENSE.replace(n_layers=8)])
     index = np.arange(3 * len(layouts))
     a, lay = archs.take(index // len(layouts)), layouts.take(index % len(layouts))
-    assert module._table_groups(a, lay, np.full(len(index), 64.0)) is not None  # the shared path runs
+    assert module.table_groups(a, lay, np.full(len(index), 64.0)) is not None  # the shared path runs
     shared = evaluate(a, lay, H100)
-    monkeypatch.setattr(module, "_table_groups", lambda *args: None)
+    monkeypatch.setattr(module, "table_groups", lambda *args: None)
     plain = evaluate(a, lay, H100)
     np.testing.assert_array_equal(shared.step_time_s, plain.step_time_s)
     np.testing.assert_array_equal(shared.memory_per_device_bytes, plain.memory_per_device_bytes)

@@ -158,13 +158,16 @@ def test_fp8_casts_are_memory_bound_kernels_with_current_scaling_and_transposes(
 def test_router_and_lm_head_stay_bf16_under_fp8():
     """Megatron's output_layer is not a TE module and torchtitan float8 skips `output`; the
     router is a plain linear: their time does not change when the layout's GEMMs go fp8."""
-    from perfmodel.evaluate import _as_float, _Hardware, op_times
+    from perfmodel.hardware import HardwareView
+    from perfmodel.host import host_dispatch
+    from perfmodel.inputs import as_float
     from perfmodel.specs import ArchBatch
-    a = _as_float(ArchBatch.stack([MOE]))
+    from perfmodel.tables import op_times
+    a = as_float(ArchBatch.stack([MOE]))
     times = {}
     for precision in ("bf16", "fp8"):
-        lay = _as_float(LayoutBatch.stack([parse_layout(f"ep=8,gbs=8,precision={precision}", devices=8)]))
-        hw = _Hardware(H100, lay, np.array([8.0]))
+        lay = as_float(LayoutBatch.stack([parse_layout(f"ep=8,gbs=8,precision={precision}", devices=8)]))
+        hw = HardwareView(H100, lay, host_dispatch(H100).core_share(np.array([8.0])))
         table = ops.layer_ops(a, lay)
         times[precision] = {name: op_times(next(o for o in table[blk] if o.name == name), hw)[0]
                             for blk, name in (("head", "lm_head"), ("moe", "router"), ("moe", "expert_up"))}

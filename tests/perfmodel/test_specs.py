@@ -236,3 +236,19 @@ def test_section_errors_name_the_file_and_the_key_path(data, message):
     with pytest.raises(InputError) as info:
         section_from_mapping(MoEArchitecture, data, "model", "plan.yaml", "write the plan with `mosaic plan -o`")
     assert message in str(info.value)
+
+
+def test_spec_protocols_name_exactly_the_spec_fields():
+    """ArchLike / LayoutLike (what the formulas read) list every field of the specs and no other,
+    and a single spec and its batch both satisfy them."""
+    from perfmodel.specs import ARCH_FIELDS, LAYOUT_FIELDS
+    from perfmodel.specs.protocols import ArchLike, LayoutLike
+
+    def members(proto):
+        return {name for name in vars(proto) if isinstance(vars(proto)[name], property)}
+
+    assert members(ArchLike) == set(ARCH_FIELDS)
+    assert members(LayoutLike) == set(LAYOUT_FIELDS)
+    layout = parse_layout("tp=2,ep=2", devices=8)
+    assert isinstance(MIXTRAL_8X7B, ArchLike) and isinstance(ArchBatch.stack([MIXTRAL_8X7B]), ArchLike)
+    assert isinstance(layout, LayoutLike) and isinstance(LayoutBatch.stack([layout]), LayoutLike)

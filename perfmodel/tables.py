@@ -1,0 +1,200 @@
+"""Per-block tables of one micro-batch on one device, computed once per distinct block.
+
+For each block (attention, dense FFN, MoE, embedding, LM head), per micro-batch
+and per layer of the block:
+- time per category (compute, attention, expert_gemm) and phase (fwd; bwd =
+  dgrad + wgrad), each op priced by `op_times` (roofline with efficiencies);
+- the overlappable time (GEMMs, attention: what communication may hide
+  behind), the kernels launched, the attention core's forward (what selective
+  recompute repeats);
+- communication seconds per class (tp, cp, ep; etp counts as ep) and phase, and
+  the collective launches, from the host's collective list (`comms_of`:
+  `perfmodel.host.HostDispatch.block_comms`) priced by `perfmodel.comm.CollectivePricer`.
+
+A planner grid repeats few distinct tables (geometries x layouts): rows equal in
+TABLE_ARCH_FIELDS, TABLE_LAYOUT_FIELDS and devices share one table row
+(`table_groups`, exact). `StageBlocks` sums a table entry over the blocks one
+pipeline stage holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional, Union
+
+import numpy as np
+
+from perfmodel.comm import CollectivePricer
+from perfmodel.hardware import HardwareView
+from perfmodel.operators import (
+    FULL,
+    SELECTIVE,
+    Comm,
+    Op,
+    attention_ops,
+    dense_ffn_ops,
+    embedding_ops,
+    head_ops,
+    moe_ops,
+    recompute_code,
+)
+from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch
+from perfmodel.specs.cluster import ClusterSpec
+from perfmodel.specs.layout import LayoutBatch
+from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
+
+BlockTable = dict[str, Values]
+"""One block's entries (seconds, kernels) keyed phase_category, phase_overlap, ..."""
+Tables = dict[str, BlockTable]
+CommsOf = Callable[[ArchLike, LayoutLike], dict[str, list[Comm]]]
+"""The collectives of each block the ranks issue (`HostDispatch.block_comms`)."""
+
+BLOCK_BUILDERS = (("attention", attention_ops), ("dense_ffn", dense_ffn_ops), ("moe", moe_ops),
+                  ("embedding", embedding_ops), ("head", head_ops))
+LAYER_BLOCKS = ("attention", "dense_ffn", "moe")
+"""The blocks every transformer layer has (attention) or one of (dense FFN, MoE)."""
+CATEGORIES = ("compute", "attention", "expert_gemm")
+KIND_CATEGORY = {"gemm": "compute", "gemm_hp": "compute", "memory": "compute", "attention": "attention",
+                 "expert_gemm": "expert_gemm"}
+COMM_CLASS = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "ep"}
+"""Process group -> the communication class it is reported under."""
+
+TABLE_ARCH_FIELDS = tuple(f for f in ARCH_FIELDS if f != "ffn_ratio")
+TABLE_LAYOUT_FIELDS = ("tp", "cp", "ep", "etp", "mbs", "sequence_parallel", "precision")
+"""What the per-block operator and collective tables depend on (not pp, vpp, dp, the dp
+flavour, gbs or recompute): candidates equal in these share one table row."""
+
+_HASH_MULTIPLIERS = np.random.default_rng(20250101).integers(1, 2**62, size=32, dtype=np.int64) | 1
+
+
+def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
+    """Seconds of one op per phase (fwd, dgrad, wgrad): max(FLOPs / (peak x eff_compute),
+    bytes / (HBM bw x eff_memory)). The efficiencies are looked up once, at the op's forward
+    size (FLOPs of one kernel call; bytes per kernel; `op.size_phase` for an op without
+    forward work), and hold for all three phases: the input- and weight-gradient kernels
+    work on the same matrices."""
+    j0 = op.size_phase
+    seconds_per_byte = 1.0 / (hw.hbm_bytes_per_s * hw.memory_efficiency(op.bytes[j0], op.kernels[j0]))
+    seconds_per_flop = None if op.kind == "memory" else 1.0 / hw.compute_rate(op.kind, op.kernel_flops[0])
+    out: list[Values] = []
+    compute_s_of: dict[int, Values] = {}  # a GEMM's three phases share one FLOPs array: one product
+    for j in range(3):
+        nbytes, flops = op.bytes[j], op.flops[j]
+        if np.ndim(nbytes) == 0 and nbytes == 0 and np.ndim(flops) == 0 and flops == 0:
+            out.append(0.0)  # nothing in this phase (e.g. no weight gradient)
+            continue
+        memory_s = nbytes * seconds_per_byte
+        if seconds_per_flop is None:
+            out.append(memory_s)
+            continue
+        if id(flops) not in compute_s_of:
+            compute_s_of[id(flops)] = flops * seconds_per_flop
+        out.append(np.maximum(compute_s_of[id(flops)], memory_s))
+    return out[0], out[1], out[2]
+
+
+def block_tables(arch: ArchLike, lay: LayoutLike, comms_of: CommsOf, pricer: CollectivePricer,
+                 hw: HardwareView) -> Tables:
+    """Per block, per micro-batch: time per category and phase, overlappable time,
+    kernels, the forward totals (for full recompute) and the attention core's
+    forward (for selective recompute); and communication per class and phase."""
+    tables: Tables = {}
+    comms = comms_of(arch, lay)
+    for block, builder in BLOCK_BUILDERS:
+        table: BlockTable = {f"{ph}_{cat}": 0.0 for ph in ("fwd", "bwd") for cat in CATEGORIES}
+        table.update(fwd_overlap=0.0, bwd_overlap=0.0, fwd_kernels=0.0, bwd_kernels=0.0, core_fwd=0.0)
+        for op in builder(arch, lay):
+            fwd_s, dgrad_s, wgrad_s = op_times(op, hw)
+            cat = KIND_CATEGORY[op.kind]
+            table[f"fwd_{cat}"] = table[f"fwd_{cat}"] + fwd_s
+            table[f"bwd_{cat}"] = table[f"bwd_{cat}"] + dgrad_s + wgrad_s
+            if op.overlappable:
+                table["fwd_overlap"] = table["fwd_overlap"] + fwd_s
+                table["bwd_overlap"] = table["bwd_overlap"] + dgrad_s + wgrad_s
+            table["fwd_kernels"] = table["fwd_kernels"] + op.kernels[0]
+            table["bwd_kernels"] = table["bwd_kernels"] + op.kernels[1] + op.kernels[2]
+            if op.name == "core_attention":
+                table["core_fwd"] = fwd_s
+        for cls in ("tp", "cp", "ep"):
+            table[f"fwd_{cls}"] = 0.0
+            table[f"bwd_{cls}"] = 0.0
+        table["fwd_comm_kernels"] = 0.0
+        table["bwd_comm_kernels"] = 0.0
+        for comm in comms[block]:
+            seconds = pricer.time(comm.group, comm.kind, comm.bytes)
+            key = f"{comm.phase}_{COMM_CLASS[comm.group]}"
+            table[key] = table[key] + seconds
+            table[f"{comm.phase}_comm_kernels"] = table[f"{comm.phase}_comm_kernels"] + (seconds > 0)
+        tables[block] = table
+    return tables
+
+
+def table_groups(arch: ArchBatch, lay: LayoutBatch, devices: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(representatives, inverse) when at most half the candidates have distinct block
+    tables (a planner grid: geometries x layouts), else None. Grouping is exact: a
+    multiplicative hash proposes groups and every key column is then compared."""
+    n = len(devices)
+    if n < 256:
+        return None
+    columns = [np.asarray(getattr(arch, f)).astype(np.int64, copy=False) for f in TABLE_ARCH_FIELDS]
+    columns += [np.asarray(getattr(lay, f)).astype(np.int64, copy=False) for f in TABLE_LAYOUT_FIELDS]
+    columns.append(np.asarray(devices).astype(np.int64))
+
+    def hashed(rows: Union[slice, np.ndarray]) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            key = np.zeros(len(columns[0][rows]), dtype=np.int64)
+            for col, mult in zip(columns, _HASH_MULTIPLIERS):
+                key = (key ^ (col[rows] * mult)) * np.int64(1099511628211)
+        return key
+
+    if 4 * len(np.unique(hashed(slice(0, 1024)))) > 3 * min(n, 1024):  # a sample says most rows differ
+        return None
+    key = hashed(slice(None))
+    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    if 2 * len(uniq) > n:
+        return None
+    inverse = inverse.ravel()
+    rep_of_row = first[inverse]
+    for col in columns:
+        if not np.array_equal(col[rep_of_row], col):  # a hash collision: price every row
+            return None
+    return first, inverse
+
+
+def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, devices: np.ndarray,
+                        comms_of: CommsOf, pricer: CollectivePricer, hw: HardwareView) -> Tables:
+    """Block tables, computed once per distinct (geometry, table-relevant layout fields)."""
+    groups = table_groups(arch, lay, devices)
+    if groups is None:
+        return block_tables(arch, lay, comms_of, pricer, hw)
+    first, inverse = groups
+    sub_lay = lay.take(first)
+    sub_hw = HardwareView(cluster, sub_lay, hw.share[first])
+    sub = block_tables(arch.take(first), sub_lay, comms_of, CollectivePricer(cluster, sub_lay, sub_hw.share), sub_hw)
+    return {block: {k: (np.asarray(v)[inverse] if np.ndim(v) else v) for k, v in t.items()} for block, t in sub.items()}
+
+
+class StageBlocks:
+    """The blocks one pipeline stage holds (`counts` per block, from
+    `schedule.stage_layer_counts`), their tables, and its candidates' recompute masks."""
+
+    def __init__(self, arch: ArchLike, lay: LayoutLike, tables: Tables, counts: dict[str, Values]) -> None:
+        self.arch, self.lay, self.tables, self.counts = arch, lay, tables, counts
+        code = np.asarray(recompute_code(lay))
+        self.full = code == FULL
+        self.selective = code == SELECTIVE
+        self._memo: dict[tuple[str, tuple[str, ...]], Values] = {}
+
+    def total(self, key: str, blocks: Optional[tuple[str, ...]] = None) -> Values:
+        """Sum over `blocks` (default: all, in table order) of (blocks on this stage) x
+        (per-block entry `key`); zero entries are skipped."""
+        blocks = tuple(self.tables) if blocks is None else blocks
+        if (key, blocks) not in self._memo:
+            acc: Values = 0.0
+            for b in blocks:
+                value = self.tables[b][key]
+                if np.ndim(value) == 0 and value == 0:
+                    continue
+                acc = acc + self.counts[b] * value
+            self._memo[(key, blocks)] = acc
+        return self._memo[(key, blocks)]
