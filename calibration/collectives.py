@@ -108,11 +108,11 @@ def cpu_gap() -> Callable[[], None]:
     """The eager compute gap (see CPU_GAP_BLOCKS)."""
     import torch
 
-    from calibration.eager_ops import EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, _Block, _stack_step
+    from calibration.eager_ops import EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, EagerBlock, stack_step
 
     torch.manual_seed(0)
-    blocks = torch.nn.Sequential(*[_Block(EAGER_BLOCK_WIDTH) for _ in range(CPU_GAP_BLOCKS)])
-    return _stack_step(blocks, torch.randn(EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, requires_grad=True))
+    blocks = torch.nn.Sequential(*[EagerBlock(EAGER_BLOCK_WIDTH) for _ in range(CPU_GAP_BLOCKS)])
+    return stack_step(blocks, torch.randn(EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, requires_grad=True))
 
 
 def _time_repeat(op: Callable[[], object], inner: int, group: object, device: object,
