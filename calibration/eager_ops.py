@@ -12,7 +12,8 @@ counter; the seconds are measured here:
   MLP, residual; nn.Modules with autograd) run forward + backward, divided by its op count:
   what one counted op costs in the trainer (Python module call, autograd recording,
   dispatcher, autograd engine). `mosaic calibrate` on cpu stores it as `launch_latency_s`.
-  A bare `x.add_(1)` would time the dispatcher only, a few times less (docs/validation.md).
+  A bare `x.add_(1)` would time the dispatcher only, a few times less (docs/validation.md,
+  "Measurements behind the calibration's settings").
 - `dtensor_op_seconds()` [s/op]: host time one DTensor op adds beyond the single-device ops it
   replaces (sharding propagation, wrapping, redistribution bookkeeping) = (t(block stack with
   column-/row-wise tensor-parallel linears on a fake 2-rank mesh) - t(same stack on one
@@ -46,8 +47,8 @@ small enough that dispatch, not arithmetic, sets its time."""
 SAMPLE_SECONDS = 0.03
 """One timed sample lasts about as long as a CPU trainer step (10-100 ms): on a shared machine
 a step is descheduled now and then, and a sample this long is too, in proportion; the median
-of sub-millisecond samples would see only the uncontended core (docs/validation.md, "Eager
-op cost": what 1 ms samples missed under load)."""
+of sub-millisecond samples would see only the uncontended core (docs/validation.md,
+"Measurements behind the calibration's settings")."""
 
 
 class OpCounter(TorchDispatchMode):
