@@ -2,38 +2,37 @@
 
     python benchmarks/fidelity.py --device cpu [--steps 30] [--out-dir benchmarks/results]
 
-1. Calibrate this machine (`mosaic calibrate --quick`; or `--cluster FILE` to reuse a
-   calibrated cluster). `--recalibrate` calibrates again after the trainer runs and predicts
-   with the geometric mean of the two, figure by figure (`bracketed_cluster`): the speed of a
-   shared machine drifts within minutes and the runs sit between the two. Off by default: in
-   its one trial (docs/validation.md) the first calibration alone predicted better.
-   On cpu the machine's host-bound figures are probed again before each trainer run and after
-   the last (`drift_probe`, about 1 s: the per-op cost of an eager op with autograd, the cost a
-   DTensor op adds, a cold 128^3 fp32 GEMM's rate) and their means over the whole benchmark
-   replace the calibrated figures (`interleaved_cluster`; `--no-interleave` keeps the
-   calibration alone): other jobs on a shared machine change its speed within minutes, and
-   both sides of the comparison must see the same machine. With `--probe-collectives`, before
-   each round's multi-rank runs and after the last run a 2-rank gloo all-reduce is timed the
-   same way (`collective_probe`, about 5 s) and the mean scales the fabric's latencies (off by
-   default: in its one trial it moved the latencies the wrong way, docs/validation.md). The
-   MAPE with the calibration alone is reported beside it.
+1. Calibrate this machine (`mosaic calibrate --quick` on the bundled cluster of the device,
+   or on `--base`; or `--cluster FILE` to reuse a calibrated cluster). `--recalibrate`
+   calibrates again after the trainer runs and predicts with the geometric mean of the two,
+   figure by figure (`calibration.drift.bracketed_cluster`).
+   On cpu the host-bound figures are probed again before each trainer run and after the last
+   (`calibration.drift.drift_probe`: per-op cost of an eager op with autograd, cost a DTensor
+   op adds, a cold 128^3 fp32 GEMM's rate) and their means over the whole benchmark replace
+   the calibrated figures (`calibration.drift.interleaved_cluster`; `--no-interleave` keeps
+   the calibration alone): a shared machine's speed changes within minutes, and both sides of
+   the comparison must see the same machine. With `--probe-collectives` a 2-rank gloo
+   all-reduce is also timed before each round's multi-rank runs and after the last run
+   (`calibration.drift.collective_probe`) and its mean scales the fabric's latencies. The MAPE
+   with the calibration alone is reported beside it. Why `--recalibrate` and
+   `--probe-collectives` are off by default: their trials in docs/validation.md.
 2. For each configuration (tiny MoE and dense models on 1, 2 and 4 ranks covering dp, ep,
    tp, pp, mbs and recompute) predict the step time with `perfmodel.evaluate` on the
    calibrated cluster, and run the bundled trainer (`mosaic train`, torchrun + gloo on cpu,
    one thread per rank) in `--rounds` rounds through all configurations: the first of
    `--steps / --rounds` steps, the later ones stepping for at least `--round-seconds` (steps
    from the first round's median step time; each round a fresh `mosaic train`, its metrics
-   after its first `ROUND_WARMUP_STEPS` appended to the first round's metrics.jsonl). The measured step time
-   is the mean after warm-up, the same definition `mosaic calibrate --from-runs` uses
-   (`calibration.from_runs.measured_step_time_s`; `load_run` drops the first round's warm-up).
-   On a shared machine the speed changes within seconds (other jobs; one process's 2-second
-   windows measured 16-27 ms for the same step): several rounds of a couple of seconds each let
-   the mean span those states, as the probes' mean does on the model's side.
+   after its first `ROUND_WARMUP_STEPS` appended to the first round's metrics.jsonl). The
+   measured step time is the mean after warm-up, the same definition `mosaic calibrate
+   --from-runs` uses (`calibration.from_runs.measured_step_time_s`; `load_run` drops the first
+   round's warm-up). Several rounds of a couple of seconds each let the mean span the states
+   a shared machine switches between within seconds, as the probes' mean does on the model's
+   side.
 3. Report per-configuration error (predicted/measured - 1), MAPE, max |error| and Kendall
    tau of the ranking (scipy.stats.kendalltau), how far each configuration's round means
    disagree (max/min), and the standard error of each measured step time (bootstrap over rounds)
-   with the MAPE a perfect model would show from that noise alone: a floor under any model's
-   error (the calibration's own run-to-run noise comes on top).
+   with the MAPE a perfect model would show from that noise alone, E|N(0, se)| = se sqrt(2/pi):
+   a floor under any model's error (the calibration's own run-to-run noise comes on top).
 4. Refit the cluster from these runs (`mosaic calibrate --from-runs`) and report its
    leave-one-run-out MAPE (each run predicted by factors fitted without it).
 
@@ -42,12 +41,13 @@ and keeps the run folders and cluster files under `<out-dir>/fidelity_<device>/`
 two printed lines are `MAPE before refit: X%` and `MAPE after refit (leave-one-out): Y%`.
 
 On cuda/npu only the single-device configurations run (one GPU). `--configs smoke` runs two
-small configurations (the test's reduced version).
+small configurations (the test's reduced version). Results: docs/validation.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -98,7 +98,7 @@ all-gathers and reduce-scatters), not the Megatron distributed optimizer the mod
 SMOKE = ["moe_1r_mbs2", "dense_1r_mbs2"]
 ROUND_WARMUP_STEPS = 2
 """Steps dropped at the start of each later round: a fresh process group, allocator and first
-calls (multi-rank runs take 2-4 steps to settle, measured on the 2-core test machine)."""
+calls take a few steps to settle (docs/validation.md)."""
 
 
 def _env() -> dict[str, str]:
@@ -115,16 +115,12 @@ def mosaic(*args: str, capture: bool = False) -> str:
     return done.stdout if capture else ""
 
 
-def calibrate(device: str, folder: Path, base: str | None, name: str = "calibrated.yaml") -> Path:
-    """`mosaic calibrate --quick` on top of `base` (cpu: cpu_local; cuda: the bundled cluster of the GPU's name)."""
+def calibrate(device: str, folder: Path, base: str, name: str = "calibrated.yaml") -> Path:
+    """`mosaic calibrate --quick` on top of the cluster `base`."""
     out = folder / name
-    if base is None and device != "cpu":
-        from mosaic.cli.train import _default_cluster
-
-        base = _default_cluster(device)
     t0 = time.perf_counter()
     mosaic("calibrate", "--device", device, "--quick", "--nproc", "2" if device == "cpu" else "1", "-o", str(out),
-           *(("--cluster", base) if base else ()))
+           "--cluster", base)
     print(f"calibrated {device} in {time.perf_counter() - t0:.0f} s -> {out}", flush=True)
     return out
 
@@ -208,170 +204,6 @@ def bootstrap_relative_se(rounds: list[list[float]], resamples: int = 2000, seed
     return float(np.std(resampled, ddof=1) / measured_step_time_s(np.concatenate(rounds)))
 
 
-def geometric_mean_figures(first: object, second: object) -> object:
-    """Two calibrations of one machine merged figure by figure: the geometric mean of two positive
-    numbers (the arithmetic mean otherwise), lists element by element, mappings key by key; a
-    curve whose `sizes` differ, text and flags are kept from `first`."""
-    if isinstance(first, bool) or isinstance(second, bool):
-        return first
-    if isinstance(first, (int, float)) and isinstance(second, (int, float)):
-        if first == second:
-            return first
-        mean = math.sqrt(first * second) if first > 0 and second > 0 else (first + second) / 2
-        return float(f"{mean:.4g}")
-    if isinstance(first, list) and isinstance(second, list) and len(first) == len(second):
-        return [geometric_mean_figures(a, b) for a, b in zip(first, second)]
-    if isinstance(first, dict) and isinstance(second, dict):
-        if "sizes" in first and first.get("sizes") != second.get("sizes"):
-            return first
-        return {k: geometric_mean_figures(v, second[k]) if k in second else v for k, v in first.items()}
-    return first
-
-
-def bracketed_cluster(before: Path, after: Path, folder: Path) -> Path:
-    """The machine's figures as the geometric mean of a calibration before and one after the runs
-    (accelerator and fabric levels; provenance from `before`): on a shared machine the speed
-    drifts within minutes, and the runs sit between the two."""
-    from perfmodel.specs.strict import read_yaml, write_yaml_atomic
-
-    first, second = read_yaml(before), read_yaml(after)
-    merged = dict(first)
-    for section in ("accelerator", "levels"):
-        merged[section] = geometric_mean_figures(first[section], second[section])
-    calibration = dict(merged.get("calibration") or {})
-    calibration["bracketed"] = (f"accelerator and levels: geometric mean, figure by figure, of {before.name} (before "
-                                f"the trainer runs) and {after.name} (after them); benchmarks/fidelity.py")
-    merged["calibration"] = calibration
-    out = folder / "calibrated_bracketed.yaml"
-    write_yaml_atomic(out, merged)
-    return out
-
-
-PROBE_GEMM_SIZE = 128
-"""Side of the square fp32 GEMM timed between the runs: the size class of the tiny models'
-matmuls (64-256 wide), on the calibration's cold-operand loop (calibration.kernels)."""
-
-
-def drift_probe() -> dict[str, float]:
-    """The host-bound figures of this machine now, as `mosaic calibrate` measures them on cpu
-    (one thread): seconds per eager op with autograd (calibration.eager_ops.eager_op_seconds),
-    seconds a DTensor op adds (dtensor_op_samples, median of 3) and the rate of a cold square
-    fp32 GEMM of PROBE_GEMM_SIZE (calibration.kernels). About 1 s in all."""
-    import numpy as np
-    import torch
-
-    from calibration.eager_ops import dtensor_op_samples, eager_op_seconds
-    from calibration.kernels import KernelPoint, prepare_point
-    from calibration.timing import Budget, time_call
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        n = PROBE_GEMM_SIZE
-        gemm = prepare_point(KernelPoint("gemm", "fp32", {"M": n, "N": n, "K": n}), torch.device("cpu"))
-        gemm_s = time_call(gemm.fn, torch.device("cpu"), Budget(warmup=2, min_repeats=10, max_repeats=60,
-                                                                max_seconds=0.15)).median_s
-        return {"launch_latency_s": eager_op_seconds(repeats=15, max_seconds=0.5)[0],
-                "dtensor_op_latency_s": float(np.median(dtensor_op_samples(3)[0])),
-                "gemm_flops_per_s": gemm.flops / gemm_s}
-    finally:
-        torch.set_num_threads(threads)
-
-
-PROBE_COLLECTIVE_BYTES = 16384
-"""All-reduce re-timed between the runs: the size of the tiny models' tensor-parallel activations
-(2 x 32 tokens x 64 wide, fp32), latency-bound on gloo (its bytes cost about 1% of its time)."""
-
-
-def collective_probe(folder: Path) -> float | None:
-    """Seconds of one PROBE_COLLECTIVE_BYTES all-reduce over 2 gloo ranks after an eager compute
-    gap, as `mosaic calibrate` times it (calibration.collectives, quick repeats; the median of
-    repeats that each batch calls for about one trainer step): what a synchronous trainer pays per
-    collective. About 5 s, most of it starting two ranks; None (and a warning) if the launch fails."""
-    from calibration.collectives import AFTER_COMPUTE, run_collectives_subprocess
-
-    launched = run_collectives_subprocess(2, "cpu", True, ["host"], [2], folder, stall_s=60.0, total_timeout_s=120.0,
-                                          kinds=["all_reduce"], sizes_bytes=[PROBE_COLLECTIVE_BYTES])
-    timed = [r.median_s for r in launched.rows if r.impl.endswith(AFTER_COMPUTE)]
-    if launched.error is not None or not timed:
-        print(f"warning: collective probe failed ({launched.error or 'no after-compute row'}); "
-              "the calibrated collective latencies are kept", file=sys.stderr)
-        return None
-    return float(timed[0])
-
-
-def collective_latency_ratio(cluster: object, probe_s: float) -> float:
-    """Factor on every fabric level's latency_s and sync_latency_s that makes the model's
-    PROBE_COLLECTIVE_BYTES all-reduce over 2 ranks (perfmodel.comm: bytes x slope + latency
-    steps + sync) take `probe_s`; the same scale `mosaic calibrate --from-runs` fits
-    (collective_latency_scale), floored at its lower bound."""
-    from calibration.from_runs import BOUNDS
-    from perfmodel.comm import collective_coefficients
-
-    slope, latency = collective_coefficients(cluster, "all_reduce", 2, 1)
-    ratio = (probe_s - PROBE_COLLECTIVE_BYTES * float(slope)) / float(latency)
-    return max(ratio, BOUNDS["collective_latency_scale"][0])
-
-
-def interleaved_cluster(calibrated: Path, probes: list[dict[str, float]], folder: Path,
-                        collective_probes_s: tuple[float, ...] = ()) -> Path:
-    """The calibrated cluster with its host-bound figures as they were while the runs ran: the
-    means of `drift_probe` taken before each run and after the last replace the per-op and
-    DTensor-op costs; the checkpoint costs (Python and autograd work, like an eager op) scale by
-    the per-op ratio (mean / calibrated); the fp32 GEMM efficiency curve scales by the probe
-    GEMM's mean rate over the calibrated curve's rate at its size. Means, not medians, because
-    the measured step time is a mean (`calibration.from_runs.measured_step_time_s`) and a step's
-    host time is linear in its per-op cost: the mean step over states that come and go is priced
-    by the mean per-op cost over them (a median per-op cost sits in whichever state most probes
-    caught). Over four benchmark runs on the 2-core test machine the MAPE before refit was
-    6.3-8.6% with means on both sides against 9.3-11.8% with medians on both.
-
-    `collective_probes_s` (`collective_probe`, seconds): their mean scales every level's
-    latencies (`collective_latency_ratio`): gloo's per-call cost on this VM moves as much as the
-    per-op cost (the quick calibration's fitted latency 0.70-1.45 ms over six runs)."""
-    import numpy as np
-
-    from perfmodel.clusters import load_cluster, resolve_cluster_path
-    from perfmodel.specs.strict import read_yaml, write_yaml_atomic
-
-    path = resolve_cluster_path(str(calibrated))
-    data = read_yaml(path)
-    base = load_cluster(str(path))
-    accelerator = base.accelerator
-    means = {key: float(np.mean([p[key] for p in probes])) for key in probes[0]}
-    acc = data["accelerator"]
-    sources = acc.setdefault("sources", {})
-    basis = (f"mean of {len(probes)} drift probes (benchmarks/fidelity.py drift_probe) taken before each "
-             f"trainer run and after the last; base: {calibrated}")
-    host_ratio = means["launch_latency_s"] / accelerator.launch_latency_s
-    for key in ("launch_latency_s", "dtensor_op_latency_s"):
-        acc[key] = float(f"{means[key]:.4g}")
-        sources[key] = basis
-    for key in ("checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s"):
-        acc[key] = float(f"{getattr(accelerator, key) * host_ratio:.4g}")
-        sources[key] = f"calibrated figure x {host_ratio:.3f}, the per-op cost's drift ({basis})"
-    flops = 2.0 * PROBE_GEMM_SIZE ** 3
-    calibrated_rate = accelerator.peak("fp32") * float(accelerator.compute_curve("fp32")(flops))
-    gemm_ratio = means["gemm_flops_per_s"] / calibrated_rate
-    curve = acc["compute_efficiency"].get("fp32")
-    if curve is not None:  # the curve the probe measured (a base file without one keeps what it has)
-        curve["values"] = [float(f"{min(1.0, v * gemm_ratio):.4g}") for v in curve["values"]]
-        curve["source"] = (f"{curve.get('source', '')}; scaled x {gemm_ratio:.3f}, a cold {PROBE_GEMM_SIZE}^3 GEMM's "
-                           f"drift ({basis})")
-    if collective_probes_s:
-        ratio = collective_latency_ratio(base, float(np.mean(collective_probes_s)))
-        note = (f"; x {ratio:.3f}, a {PROBE_COLLECTIVE_BYTES}-byte 2-rank all-reduce's drift (mean of "
-                f"{len(collective_probes_s)} collective probes, benchmarks/fidelity.py collective_probe)")
-        for level in data["levels"]:
-            for key in ("latency_s", "sync_latency_s"):
-                if level.get(key) is not None:
-                    level[key] = float(f"{float(level[key]) * ratio:.4g}")
-            level["source"] = f"{level.get('source', '')}{note}"
-    out = folder / "calibrated_interleaved.yaml"
-    write_yaml_atomic(out, data)
-    return out
-
-
 def _finite_or_none(value: float) -> float | None:
     """JSON has no NaN: a figure that cannot be computed (one round) is null."""
     return value if math.isfinite(value) else None
@@ -432,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                              "step time): the machine's speed changes within a second, and a longer round averages it")
     parser.add_argument("--configs", default="all", help="'all', 'smoke' (2 configurations) or comma-separated names")
     parser.add_argument("--cluster", default=None, help="use this (calibrated) cluster instead of calibrating")
-    parser.add_argument("--base", default=None, help="base cluster to calibrate (default: cpu_local on cpu, from the GPU "
-                                                     "name on cuda, ascend_910b on npu)")
+    parser.add_argument("--base", default=None, help="base cluster to calibrate (default: the bundled cluster of this "
+                                                     "device: cpu_local on cpu, by the device's name on cuda/npu)")
     parser.add_argument("--no-interleave", action="store_true",
                         help="cpu: keep the calibrated per-op cost instead of re-measuring it between the runs")
     parser.add_argument("--probe-collectives", action="store_true",
@@ -449,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
+    from calibration.drift import HostProbe, bracketed_cluster, collective_probe, drift_probe, interleaved_cluster
     from calibration.from_runs import discover_runs, measured_step_time_s, predict
     from perfmodel.clusters import load_cluster
+    from perfmodel.errors import MosaicRuntimeError
     from perfmodel.specs.strict import write_text_atomic
 
     names = {c[0] for c in CONFIGS}
@@ -475,6 +309,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe_collectives and (args.device != "cpu" or args.no_interleave):
         parser.error("--probe-collectives: scales the cpu probes' cluster (--device cpu without --no-interleave); "
                      "drop one of them")
+
+    if args.cluster is None and args.base is None:
+        from calibration.timing import default_cluster_here
+        from perfmodel.clusters import NoDefaultCluster
+        from perfmodel.errors import InputError
+
+        try:
+            args.base = default_cluster_here(args.device)
+        except NoDefaultCluster as missing:
+            parser.error(missing.for_option("--base"))
+        except InputError as refused:  # no such device on this machine
+            parser.error(str(refused))
 
     folder = args.out_dir / f"fidelity_{args.device}"
     runs = folder / "runs"
@@ -503,9 +349,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.probe_collectives else None  # the parser refused it off cpu and with --no-interleave
 
     def probe_collectives(round_index: int | None) -> None:
-        seconds = collective_probe(folder / "collective_probe")
-        if seconds is not None:
-            collective_probes.append({"round": round_index, "all_reduce_after_compute_s": seconds})
+        try:
+            seconds = collective_probe(folder / "collective_probe")
+        except MosaicRuntimeError as failed:
+            print(f"warning: {failed}; the calibrated collective latencies are kept", file=sys.stderr)
+            return
+        collective_probes.append({"round": round_index, "all_reduce_after_compute_s": seconds})
 
     for round_index in range(args.rounds):
         for name, model, layout, ranks in chosen:
@@ -514,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == first_multi_rank:  # before each round's multi-rank block (--probe-collectives)
                 probe_collectives(round_index)
             if interleave:
-                probes.append({"before": name, "round": round_index, **drift_probe()})
+                probes.append({"before": name, "round": round_index, **dataclasses.asdict(drift_probe())})
             wall[name] = wall.get(name, 0.0) + train(
                 name, model, f"{layout},precision=fp32" if args.device == "cpu" else layout, ranks,
                 steps_in_round.get(name, per_round), args.device, cluster_path, runs, round_index)
@@ -526,15 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     if args.recalibrate:  # the machine after the runs as well as before them
         after = calibrate(args.device, folder, args.base, "calibrated_after.yaml")
-        cluster_path = bracketed_cluster(cluster_path, after, folder)
+        cluster_path = bracketed_cluster(cluster_path, after, folder / "calibrated_bracketed.yaml")
         cluster = load_cluster(str(cluster_path))
     calibrated_cluster = cluster
     if probes:  # the host-bound figures as they were while the runs ran (see module doc)
-        probes.append({"before": None, "round": None, **drift_probe()})
+        probes.append({"before": None, "round": None, **dataclasses.asdict(drift_probe())})
         if first_multi_rank is not None:
             probe_collectives(None)
-        figures = [{k: v for k, v in p.items() if k not in ("before", "round")} for p in probes]
-        cluster_path = interleaved_cluster(cluster_path, figures, folder,
+        figures = [HostProbe(**{k: v for k, v in p.items() if k not in ("before", "round")}) for p in probes]
+        cluster_path = interleaved_cluster(cluster_path, figures, folder / "calibrated_interleaved.yaml",
                                            tuple(p["all_reduce_after_compute_s"] for p in collective_probes))
         cluster = load_cluster(str(cluster_path))
 

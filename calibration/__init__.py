@@ -5,8 +5,11 @@ Modules (torch is imported only inside `timing`, `kernels` and the functions of
 without it):
 
 - `stats`        median with an interference-robust outlier filter, IQR/median noise
-- `timing`       device selection (cpu, cuda, npu via torch_npu) and device-side timing
+- `timing`       device selection (cpu, cuda, npu via torch_npu), the bundled cluster of this
+                 machine's device, and device-side timing
 - `kernels`      GEMM grid, grouped expert GEMM, causal SDPA, memory copy/add, launch latency
+- `eager_ops`    what an eager op is (a dispatch-mode counter) and the host time of one op,
+                 one DTensor op and one activation-checkpointed region (cpu clusters)
 - `collectives`  all_reduce, all_gather, reduce_scatter, all_to_all, send/recv under torchrun,
                  and the subprocess launcher with hang/death detection
 - `measurements` the raw-measurements CSV
@@ -15,4 +18,9 @@ without it):
 - `report`       markdown report with PNG plots
 - `run`          the end-to-end `calibrate(...)` behind the CLI
 - `from_runs`    correction factors fitted to the bundled trainer's step times
+- `drift`        a calibrated cluster re-fitted to probes taken between runs, or merged from a
+                 calibration before and one after them (a shared machine's speed drifts)
+
+Imports point down: perfmodel (and torch) only; what it needs of the bundled trainer (its
+op counts) lives beside the trainer, `mosaic.trainer.op_count`.
 """

@@ -75,10 +75,8 @@ CPU_REPEAT_SECONDS = 0.03
 """On cpu one timed repeat lasts about one CPU trainer step (10-100 ms; the same length as
 `calibration.eager_ops.SAMPLE_SECONDS`). gloo on a host whose cores also compute pays
 scheduler wake-ups and stalls on some operations; a trainer step issues its collectives back to
-back with its compute and pays their mean, not the median of isolated calls (measured on the
-2-core test machine, 2 ranks, 256 B - 256 KiB all-reduce: 0.37 ms median of single calls after
-a barrier, 0.9-2.3 ms mean back to back, 1.2-1.4 ms each when interleaved with ~2 ms of eager
-compute, 2026-12-01)."""
+back with its compute and pays their mean, which the median of isolated calls after a barrier
+underestimates several times over (docs/validation.md, "Measurements behind the calibration's settings")."""
 
 
 def ops_per_repeat(seconds_per_op: float, device_type: str) -> int:
@@ -92,15 +90,15 @@ def ops_per_repeat(seconds_per_op: float, device_type: str) -> int:
 
 CPU_GAP_BLOCKS = 2
 """On cpu every point is timed twice: back to back, and with each collective after an eager
-compute gap (forward + backward of this many RMSNorm + SwiGLU blocks, calibration.eager_ops,
-~0.6 ms here: the compute a trainer runs between two collectives, 0.3-2 ms for the CPU
-trainer's tiny models), the gap's own time (measured alone in the same repeat) subtracted.
-A synchronous trainer's collective pays what a tight loop does not: the peer's gloo threads
-have gone to sleep and the ranks arrive apart (measured on the 2-core test machine, 2 ranks,
-2026-12-01: all-reduce alpha 0.72 ms back to back, 1.22 ms after compute; all-to-all 0.27 vs
-0.74 ms; in the trainer's own profile 1.1 ms per all-reduce). The alpha-beta fits use the
-back-to-back rows; the after-compute rows (impl suffixed AFTER_COMPUTE) give the fabric level's
-`sync_latency_s`, the extra per call (calibration.profile)."""
+compute gap (forward + backward of this many RMSNorm + SwiGLU blocks, calibration.eager_ops:
+about the compute the CPU trainer's tiny models run between two collectives), the gap's own
+time (measured alone in the same repeat) subtracted. A synchronous trainer's collective pays
+what a tight loop does not: the peer's gloo threads have gone to sleep and the ranks arrive
+apart (the after-compute alpha came out well above the back-to-back one and near the trainer's
+own profile: docs/validation.md, "Measurements behind the calibration's settings"). The
+alpha-beta fits use the back-to-back rows; the after-compute rows (impl suffixed AFTER_COMPUTE)
+give the fabric level's `sync_latency_s` = median over collectives of alpha(after compute) -
+alpha(back to back), the extra per call (calibration.profile.sync_latency)."""
 AFTER_COMPUTE = "+after-compute"
 
 
@@ -108,11 +106,11 @@ def cpu_gap() -> Callable[[], None]:
     """The eager compute gap (see CPU_GAP_BLOCKS)."""
     import torch
 
-    from calibration.eager_ops import EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, _Block, _stack_step
+    from calibration.eager_ops import EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, EagerBlock, stack_step
 
     torch.manual_seed(0)
-    blocks = torch.nn.Sequential(*[_Block(EAGER_BLOCK_WIDTH) for _ in range(CPU_GAP_BLOCKS)])
-    return _stack_step(blocks, torch.randn(EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, requires_grad=True))
+    blocks = torch.nn.Sequential(*[EagerBlock(EAGER_BLOCK_WIDTH) for _ in range(CPU_GAP_BLOCKS)])
+    return stack_step(blocks, torch.randn(EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, requires_grad=True))
 
 
 def _time_repeat(op: Callable[[], object], inner: int, group: object, device: object,

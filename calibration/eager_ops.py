@@ -1,40 +1,38 @@
-"""Eager PyTorch op counts and per-op host cost, the way the CPU model uses them.
+"""Eager PyTorch ops: one definition of an op, and the host time one costs.
 
-On CPU clusters `perfmodel.evaluate` prices a training step as (ops the bundled trainer
-dispatches) x `launch_latency_s` + device time (`perfmodel.eager`). Both factors come from
-here, measured with one definition of "op": an aten op that reaches a backend kernel,
-counted by a `TorchDispatchMode` (below autograd, so a `linear` is its `t` + `mm` + views
-and the backward's ops are counted as the autograd engine runs them).
+On CPU clusters `perfmodel.evaluate` prices a training step's host time as (ops the bundled
+trainer dispatches) x `launch_latency_s` (+ per DTensor op `dtensor_op_latency_s`, + per
+checkpointed region and saved tensor the checkpoint costs; `perfmodel.eager`). An op is an
+aten op that reaches a backend kernel, counted by a `TorchDispatchMode` (`OpCounter`; below
+autograd, so a `linear` is its `t` + `mm` + views and the backward's ops are counted as the
+autograd engine runs them). The trainer's counts are `mosaic.trainer.op_count`'s, with this
+counter; the seconds are measured here:
 
-- `count_trainer_ops(arch)`: ops of one training step of `mosaic.trainer.model.Transformer`
-  per block and phase (forward ops attributed by module pre-hooks, backward ops by gradient
-  hooks on each block's output), and the optimizer's. The source of `perfmodel.eager`'s
-  constants: `python -m calibration.eager_ops` prints them for examples/tiny_moe.yaml and
-  its variants.
-- `count_trainer_ops(arch, tp=2)`: the same under tensor parallel on a fake 2-rank world
-  (`fake_world`: torch's in-process fake process group; collectives are no-ops, so only the
-  host-side work is seen): ops on DTensors are counted apart (`dtensor_fwd_attention`, ...,
-  `dtensor_opt`), each once, at the DTensor level (its local ops run inside it).
-- `dtensor_op_seconds()`: host time one DTensor op adds beyond the single-device ops it
-  replaces (sharding propagation, wrapping, redistribution bookkeeping): the eager block
-  stack below run with column-/row-wise tensor-parallel linears on a fake 2-rank mesh,
-  minus the same stack on one device, divided by its DTensor op count. `mosaic calibrate`
-  on cpu stores it as `dtensor_op_latency_s`.
-- `eager_op_seconds()`: host time per op of an eager transformer-style block (RMSNorm, SwiGLU
-  MLP, residual; nn.Modules with autograd) run forward + backward, divided by its
-  dispatch-mode op count: what one counted op costs in the trainer (Python module call,
-  autograd recording, dispatcher, autograd engine). `mosaic calibrate` on cpu stores it as
-  `launch_latency_s` (a bare `x.add_(1)` measures only the dispatcher: 3-5 us here, 3-4x
-  less than an op of the trainer).
+- `eager_op_seconds()` [s/op]: host time of an eager transformer-style block (RMSNorm, SwiGLU
+  MLP, residual; nn.Modules with autograd) run forward + backward, divided by its op count:
+  what one counted op costs in the trainer (Python module call, autograd recording,
+  dispatcher, autograd engine). `mosaic calibrate` on cpu stores it as `launch_latency_s`.
+  A bare `x.add_(1)` would time the dispatcher only, a few times less (docs/validation.md,
+  "Measurements behind the calibration's settings").
+- `dtensor_op_seconds()` [s/op]: host time one DTensor op adds beyond the single-device ops it
+  replaces (sharding propagation, wrapping, redistribution bookkeeping) = (t(block stack with
+  column-/row-wise tensor-parallel linears on a fake 2-rank mesh) - t(same stack on one
+  device)) / its DTensor op count. Stored as `dtensor_op_latency_s`.
+- `checkpoint_costs()` [s per region, s per saved tensor]: what `torch.utils.checkpoint`
+  adds beyond the ops it re-dispatches, solved from two stacks with few and many saved
+  tensors. Stored as `checkpoint_region_latency_s`, `checkpoint_saved_tensor_latency_s`.
+- `fake_world(ranks)`: torch's in-process fake process group (collectives are no-ops), so a
+  tensor- or expert-parallel rank's host-side work runs in one process.
+
+`python -m calibration.eager_ops` prints the three costs on this machine.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -49,9 +47,8 @@ small enough that dispatch, not arithmetic, sets its time."""
 SAMPLE_SECONDS = 0.03
 """One timed sample lasts about as long as a CPU trainer step (10-100 ms): on a shared machine
 a step is descheduled now and then, and a sample this long is too, in proportion; the median
-of sub-millisecond samples would see only the uncontended core (measured at load 7.5 on the
-2-core test machine: 5.4 us per op from 1 ms samples while the trainer's steps ran 2-2.5x
-slower than their op count at that figure)."""
+of sub-millisecond samples would see only the uncontended core (docs/validation.md,
+"Measurements behind the calibration's settings")."""
 
 
 class OpCounter(TorchDispatchMode):
@@ -117,120 +114,7 @@ def fake_world(ranks: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def count_trainer_ops(arch: Any, recompute: str = "none", mbs: int = 2, tp: int = 1, ep: int = 1) -> dict[str, int]:
-    """Ops of one training step of the bundled model on one device, keyed phase_block
-    (fwd_attention, bwd_moe, ... per micro-batch, summed over layers) and `opt` (AdamW
-    foreach=False as the trainer builds it). The second of two steps is counted (the first
-    creates optimizer state). With tp > 1 the model is tensor-parallel on a fake world
-    (`fake_world`) and ops on DTensors are counted apart under dtensor_<key>; with ep > 1 its
-    experts are expert-parallel (dp = ep) on a fake world, every rank routing alike."""
-    if tp > 1 and ep > 1:
-        raise ValueError("count tp and ep apart")
-    if tp > 1 or ep > 1:
-        with fake_world(max(tp, ep)) as mesh:
-            return _count_trainer_ops(arch, recompute, mbs, mesh if tp > 1 else None, ep)
-    return _count_trainer_ops(arch, recompute, mbs, None, 1)
-
-
-def _count_trainer_ops(arch: Any, recompute: str, mbs: int, tp_mesh: Any, ep: int) -> dict[str, int]:
-    import torch.nn.functional as F
-
-    from mosaic.trainer.model import Transformer
-    from mosaic.trainer.parallelize import apply_ac, apply_ep, build_meshes
-    from mosaic.trainer.tensor_parallel import apply_tp
-    from perfmodel.specs.layout import parse_layout
-
-    torch.manual_seed(0)
-    model = Transformer(arch)
-    if tp_mesh is not None:
-        apply_tp(model, tp_mesh, sequence_parallel=False)
-    if ep > 1:
-        apply_ep(model, build_meshes(parse_layout(f"dp={ep},ep={ep},mbs={mbs},gbs={mbs * ep}", devices=ep), "cpu"))
-    apply_ac(model, recompute)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    counter = OpCounter() if tp_mesh is None else DTensorOpCounter()
-
-    def start(label: str) -> Any:
-        def hook(*_: Any) -> None:
-            counter.label = label
-        return hook
-
-    def on_grad(label: str) -> Any:
-        def hook(_module: Any, _inputs: Any, output: Any) -> None:
-            out = output[0] if isinstance(output, tuple) else output
-            if out.requires_grad:
-                out.register_hook(lambda _grad: start(label)())
-        return hook
-
-    model.tok_embeddings.register_forward_pre_hook(start("fwd_embedding"))
-    model.tok_embeddings.register_forward_hook(on_grad("bwd_embedding"))
-    for block in model.layers.values():
-        ffn = "moe" if block.is_moe else "dense_ffn"
-        block.attn_norm.register_forward_pre_hook(start("fwd_attention"))
-        block.attn.register_forward_hook(on_grad("bwd_attention"))
-        block.ffn_norm.register_forward_pre_hook(start(f"fwd_{ffn}"))
-        block.ffn.register_forward_hook(on_grad(f"bwd_{ffn}"))
-    model.norm.register_forward_pre_hook(start("fwd_head"))
-    tokens = torch.randint(0, arch.vocab_size, (mbs, arch.seq_len))
-    labels = torch.randint(0, arch.vocab_size, (mbs, arch.seq_len))
-    for _ in range(2):
-        counter.counts.clear()
-        counter.names.clear()
-        with counter:
-            counter.label = "fwd_embedding"
-            logits, aux = model(tokens)
-            ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
-            objective = ce / labels.numel() + 0.01 * aux
-            counter.label = "bwd_head"
-            objective.backward()
-            counter.label = "opt"
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return dict(counter.counts)
-
-
-def count_saved_tensors(arch: Any, mbs: int = 2) -> dict[str, int]:
-    """Tensors autograd saves in one forward of the bundled model (what a checkpointed region
-    packs and unpacks), per block summed over layers: attention (its norm, projections, RoPE and
-    core), core (the attention core alone: what selective recompute checkpoints), dense_ffn and
-    moe (their norm and FFN), plus embedding and head."""
-    from mosaic.trainer.model import Transformer
-
-    torch.manual_seed(0)
-    model = Transformer(arch)
-    counts: collections.Counter[str] = collections.Counter()
-    label = ["embedding"]
-
-    def start(name: str) -> Any:
-        def hook(*_: Any) -> None:
-            label[0] = name
-        return hook
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        counts[label[0]] += 1
-        return t
-
-    for block in model.layers.values():
-        block.attn_norm.register_forward_pre_hook(start("attention"))
-        block.ffn_norm.register_forward_pre_hook(start("moe" if block.is_moe else "dense_ffn"))
-        attn, core = block.attn, block.attn.core
-
-        def counted_core(*args: Any, _core: Any = core, **kwargs: Any) -> Any:
-            label[0] = "core"
-            try:
-                return _core(*args, **kwargs)
-            finally:
-                label[0] = "attention"
-        attn.core = counted_core
-    model.norm.register_forward_pre_hook(start("head"))
-    tokens = torch.randint(0, arch.vocab_size, (mbs, arch.seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens)
-    counts["attention"] += counts["core"]  # the layer region holds its core too
-    return dict(counts)
-
-
-class _Block(torch.nn.Module):
+class EagerBlock(torch.nn.Module):
     """RMSNorm -> SwiGLU MLP -> residual, as in the bundled model's dense layer."""
 
     def __init__(self, width: int) -> None:
@@ -245,19 +129,22 @@ class _Block(torch.nn.Module):
         return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
 
 
-def eager_op_step(width: int = EAGER_BLOCK_WIDTH, tokens: int = EAGER_BLOCK_TOKENS) -> tuple[Any, int]:
-    """(sample, ops): a callable running a 4-block eager stack forward + backward on cpu with
-    autograd back to back for about SAMPLE_SECONDS, and the dispatch-mode op count of one call."""
-    torch.manual_seed(0)
-    blocks = torch.nn.Sequential(*[_Block(width) for _ in range(4)])
-    x = torch.randn(tokens, width, requires_grad=True)
-
+def stack_step(blocks: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward of `blocks` on `x` with autograd, gradients dropped after it."""
     def step() -> None:
         blocks(x).sum().backward()
         for p in blocks.parameters():
             p.grad = None
         x.grad = None
+    return step
 
+
+def eager_op_step(width: int = EAGER_BLOCK_WIDTH, tokens: int = EAGER_BLOCK_TOKENS) -> tuple[Any, int]:
+    """(sample, ops): a callable running a 4-block eager stack forward + backward on cpu with
+    autograd back to back for about SAMPLE_SECONDS, and the dispatch-mode op count of one call."""
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[EagerBlock(width) for _ in range(4)])
+    step = stack_step(blocks, torch.randn(tokens, width, requires_grad=True))
     counter = OpCounter()
     with counter:
         step()
@@ -273,15 +160,6 @@ def eager_op_step(width: int = EAGER_BLOCK_WIDTH, tokens: int = EAGER_BLOCK_TOKE
     return sample, reps * ops
 
 
-def _stack_step(blocks: torch.nn.Module, x: torch.Tensor) -> Any:
-    def step() -> None:
-        blocks(x).sum().backward()
-        for p in blocks.parameters():
-            p.grad = None
-        x.grad = None
-    return step
-
-
 def dtensor_op_samples(samples: int = 15, width: int = EAGER_BLOCK_WIDTH,
                        tokens: int = EAGER_BLOCK_TOKENS) -> tuple[list[float], int]:
     """(seconds each DTensor op adds, one figure per paired sample; DTensor ops per call): the
@@ -292,12 +170,12 @@ def dtensor_op_samples(samples: int = 15, width: int = EAGER_BLOCK_WIDTH,
 
     with fake_world(2) as mesh:
         torch.manual_seed(0)
-        plain = torch.nn.Sequential(*[_Block(width) for _ in range(4)])
-        sharded = torch.nn.Sequential(*[_Block(width) for _ in range(4)])
+        plain = torch.nn.Sequential(*[EagerBlock(width) for _ in range(4)])
+        sharded = torch.nn.Sequential(*[EagerBlock(width) for _ in range(4)])
         for block in sharded:
             parallelize_module(block, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
         x = torch.randn(tokens, width, requires_grad=True)
-        plain_step, sharded_step = _stack_step(plain, x), _stack_step(sharded, x)
+        plain_step, sharded_step = stack_step(plain, x), stack_step(sharded, x)
         counter = DTensorOpCounter()
         with counter:
             sharded_step()
@@ -367,7 +245,7 @@ def checkpoint_costs(samples: int = 9) -> tuple[list[float], list[float], dict[s
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
-    blocks = torch.nn.ModuleList([_Block(EAGER_BLOCK_WIDTH) for _ in range(4)])
+    blocks = torch.nn.ModuleList([EagerBlock(EAGER_BLOCK_WIDTH) for _ in range(4)])
     x = torch.randn(EAGER_BLOCK_TOKENS, EAGER_BLOCK_WIDTH, requires_grad=True)
     core = _Core()
     qkv = [torch.randn(2, 4, 32, 16, requires_grad=True) for _ in range(3)]
@@ -434,31 +312,12 @@ def eager_op_seconds(repeats: int = 15, max_seconds: float = 0.6) -> tuple[float
 
 
 def _main() -> None:
-    from perfmodel.specs.architecture import MoEArchitecture
-    from perfmodel.specs.strict import load_spec
-
     torch.set_num_threads(1)
-    arch = load_spec(MoEArchitecture, "examples/tiny_moe.yaml")
-    variants = {"tiny_moe (GQA, SwiGLU, shared expert)": (arch, "none"),
-                "MHA": (dataclasses.replace(arch, n_kv_heads=arch.n_heads), "none"),
-                "non-gated": (dataclasses.replace(arch, gated_ffn=False), "none"),
-                "no shared expert": (dataclasses.replace(arch, n_shared_experts=0), "none"),
-                "recompute full": (arch, "full"), "recompute selective": (arch, "selective")}
-    for name, (a, ac) in variants.items():
-        counts = count_trainer_ops(a, ac)
-        print(f"{name}: total {sum(counts.values())}  {counts}")
-    for name, a in (("tiny_moe tp=2", arch), ("dense tp=2", dataclasses.replace(
-            arch, n_experts=0, top_k=0, n_shared_experts=0, d_expert=0, n_dense_layers=arch.n_layers))):
-        counts = count_trainer_ops(a, tp=2)
-        print(f"{name}: {counts}")
     per_op, noise, ops = eager_op_seconds()
     print(f"eager op with autograd (fwd + bwd, {ops} ops per sample): {per_op * 1e6:.2f} us per op (noise {noise:.2f})")
     regions, saved, details = checkpoint_costs()
     print(f"activation checkpoint: {sorted(regions)[len(regions) // 2] * 1e6:.1f} us per region + "
           f"{sorted(saved)[len(saved) // 2] * 1e6:.2f} us per saved tensor ({details})")
-    for name, a in (("tiny_moe", arch), ("ungated", dataclasses.replace(arch, gated_ffn=False)),
-                    ("no shared expert", dataclasses.replace(arch, n_shared_experts=0))):
-        print(f"saved tensors per forward, {name}: {count_saved_tensors(a)}")
     dt_op, dt_noise, dt_ops = dtensor_op_seconds()
     print(f"DTensor op beyond the single-device ops ({dt_ops} DTensor ops per call): {dt_op * 1e6:.2f} us per op "
           f"(noise {dt_noise:.2f})")

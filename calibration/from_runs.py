@@ -65,15 +65,13 @@ LOG_FACTORS = {"efficiency_scale": 1e-3, "launch_latency_s": 1e-7, "collective_l
 """Scale factors fitted as log10 (value floored here): they span decades."""
 PRIOR_LOG_SD = math.log(1.2)
 """Prior on a scale factor (LOG_FACTORS), one standard deviation in natural log: how far a
-calibrated figure lands from run to run of `mosaic calibrate`. Measured: seven `mosaic calibrate
---quick` runs on the 2-core test machine (2026-12-01, busy shared host) gave log standard
-deviations of 0.13 (launch latency), 0.16 (collective latency per tree step; 0.14 with the sync
-latency added, the per-call cost the factor scales), 0.11 (bandwidth), 0.02 (fp32 GEMM
-efficiency, median over sizes) and up to 0.10 (memory efficiency); the largest, 0.16, rounded up
-to ln 1.2 = 0.18. The runs outweigh it wherever they agree (the MAP step weighs it against their
-own residual scale); it holds a factor where the runs cannot tell it from another (dispatch-bound
-runs trade launch latency against GEMM efficiency). Fraction factors (overlap, straggler_cv) get
-half their range."""
+calibrated figure lands from run to run of `mosaic calibrate`: the largest log standard
+deviation of any calibrated figure over repeated `mosaic calibrate --quick` runs, rounded up to
+ln 1.2 = 0.18 (docs/validation.md, "Measurements behind the calibration's settings"). The runs
+outweigh it wherever they agree (the MAP step weighs it against their own residual scale); it
+holds a factor where the runs cannot tell it from another (dispatch-bound runs trade launch
+latency against GEMM efficiency). Fraction factors (overlap, straggler_cv) get half their
+range."""
 RUN_LOG_SD_FLOOR = 0.005
 """Smallest residual scale assumed for the runs (0.5%: a mean of steps is not more exact)."""
 
@@ -129,12 +127,10 @@ def measured_step_time_s(times: Sequence[float]) -> float:
     """A run's measured step time from its post-warm-up step times: their mean.
 
     The median is robust to a few slow steps but not to a machine whose speed switches between
-    states (a shared host: one trainer process's 2-second windows measured 16-27 ms for the same
-    step): it lands in whichever state held most of the steps, so it jumps, while the mean moves
-    with the mix. Measured on the 2-core test machine over five runs of benchmarks/fidelity.py
-    (13 configurations; each one's log step time relative to its run's average): cross-run
-    standard deviation 0.055 for the mean against 0.073 for the median (0.057 against 0.094 for
-    the single-rank ones)."""
+    states (a shared host): it lands in whichever state held most of the steps, so it jumps,
+    while the mean moves with the mix; over repeated fidelity benchmarks the mean was the more
+    repeatable of the two (docs/validation.md, "Measurements behind the calibration's
+    settings")."""
     return float(np.mean(np.asarray(times, dtype=float)))
 
 

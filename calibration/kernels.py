@@ -29,11 +29,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LAUNCH_BATCH = 100
 """Tiny kernels issued back to back per launch-latency sample."""
 COLD_SPAN_BYTES = 64 * 2**20
-"""CPU GEMMs read operands last touched this many bytes of writes ago: more than the L2 (1 MiB here)
-and the per-complex L3 (32 MiB on AMD Zen 3/4; `getconf LEVEL3_CACHE_SIZE` reports the socket),
-as in a training step, where a weight comes back one full step later. Measured on this 2-core host
-(torch 2.13, fp32, n^3): n=64/128/256/512 ran 76/96/101/99 GFLOP/s warm and 45/64/83/94 cold; the
-bundled trainer's small matmuls ran at the cold rate."""
+"""CPU GEMMs read operands last touched this many bytes of writes ago: more than an L2 (0.5-2 MiB
+per core) and the per-complex L3 (32 MiB on AMD Zen 3/4; `getconf LEVEL3_CACHE_SIZE` reports the
+socket), as in a training step, where a weight comes back one full step later. Small GEMMs run
+markedly slower cold than warm, and the bundled trainer's small matmuls ran at the cold rate
+(docs/validation.md, "Measurements behind the calibration's settings")."""
 COLD_MAX_COPIES = 256
 """Operand copies cycled per GEMM point: more than the calls one point gets (warm-up + 2 per round),
 so no timed call reuses a copy."""
@@ -91,9 +91,8 @@ def supported_precisions(device: torch.device) -> tuple[list[str], dict[str, str
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 """/proc/cpuinfo flags of x86 CPUs with bf16 dot-product units (AVX-512 BF16: Zen 4, Cooper
 Lake and later; AMX: Sapphire Rapids and later). Without them torch runs bf16 GEMMs through an
-emulated path: measured on an AVX2-only AMD EPYC (Zen 3, torch 2.13, one thread) at 0.9-3.0
-GFLOP/s against 60-90 fp32, falling with size (16^3 0.9, 128^3 3.0, 1024^3 0.9), so a curve over
-size alone does not describe it."""
+emulated path, tens of times slower than fp32 and not monotone in size, so a curve over size
+alone does not describe it (docs/validation.md, "Measurements behind the calibration's settings")."""
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool | None:
@@ -423,9 +422,9 @@ def run_points(points: list[KernelPoint], device: torch.device, budget: Budget,
     results: dict[int, Measurement] = {}
     index = {id(p): i for i, p in enumerate(points)}
     # The launch latency is a host cost that moves with the host's load within seconds (on a
-    # shared 2-core VM an eager op measured 8 us in one 0.2 s sample and 14 us in the next): it
-    # is sampled in short slices before every other group and after the last, and summarized
-    # over all of them, so it stands for the whole calibration rather than one moment.
+    # shared VM by half again from one 0.2 s sample to the next, docs/validation.md): it is
+    # sampled in short slices before every other group and after the last, and summarized over
+    # all of them, so it stands for the whole calibration rather than one moment.
     launch = [p for p in points if p.kind == "launch"]
     spread: dict[int, list[float]] = {id(p): [] for p in launch}
     shapes: dict[int, dict[str, float]] = {}

@@ -3,7 +3,7 @@
 numpy only. A benchmark point is a list of repeat times. Interference on a
 shared host (other jobs, the scheduler descheduling one rank for a few ms) only
 ever adds time (Chen & Revels 2016, "Robust benchmarking in noisy
-environments", arXiv:1608.04295), and on a busy 2-core machine it can hit
+environments", arXiv:1608.04295), and on a busy shared host it can hit
 close to half of the repeats, so a filter centred on the median would keep
 them. The filter is therefore anchored at the fast end: around the lower
 quartile q1, with a robust spread from the lower half of the samples (1.4826 x

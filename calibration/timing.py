@@ -21,15 +21,15 @@ from perfmodel.errors import InputError
 DEVICES = ("cpu", "cuda", "npu")
 
 
-def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
-    """torch.device for `kind` (cpu, cuda, npu); a clear error when the backend is missing."""
+def _backend_module(kind: str) -> Any:
+    """torch.cuda / torch.npu for `kind`, checked to see a device (one error naming --device
+    and the fix otherwise); None for cpu."""
     if kind not in DEVICES:
         raise InputError(f"--device {kind!r} is not one of {', '.join(DEVICES)}")
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise InputError("--device cuda: torch sees no CUDA device; install a CUDA build of torch or use --device cpu")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.cuda
     if kind == "npu":
         try:
             import torch_npu  # noqa: F401  (registers the npu backend)
@@ -38,9 +38,29 @@ def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
                              "(matching your CANN and torch versions) or use --device cpu") from None
         if not torch.npu.is_available():  # type: ignore[attr-defined]
             raise InputError("--device npu: torch_npu sees no NPU; check the CANN driver (npu-smi info)")
-        torch.npu.set_device(local_rank % torch.npu.device_count())  # type: ignore[attr-defined]
-        return torch.device("npu", local_rank % torch.npu.device_count())  # type: ignore[attr-defined]
-    return torch.device("cpu")
+        return torch.npu  # type: ignore[attr-defined]
+    return None
+
+
+def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
+    """torch.device for `kind` (cpu, cuda, npu); a clear error when the backend is missing."""
+    backend = _backend_module(kind)
+    if backend is None:
+        return torch.device("cpu")
+    backend.set_device(local_rank % backend.device_count())
+    return torch.device(kind, local_rank % backend.device_count())
+
+
+def default_cluster_here(kind: str) -> str:
+    """The bundled cluster of this machine's first `kind` device
+    (`perfmodel.clusters.default_cluster_for_device` on the name torch reports for it); raises
+    NoDefaultCluster when none matches, the errors of `resolve_device` when there is no device."""
+    from perfmodel.clusters import default_cluster_for_device
+
+    if kind == "cpu":
+        return default_cluster_for_device(kind)
+    _backend_module(kind)
+    return default_cluster_for_device(kind, device_name(torch.device(kind, 0)))
 
 
 def _backend(device: torch.device) -> Any:
@@ -112,4 +132,4 @@ def time_call(fn: Callable[[], Any], device: torch.device, budget: Budget) -> Ti
     return summarize(time_samples(fn, device, budget))
 
 
-__all__ = ["DEVICES", "Budget", "device_name", "resolve_device", "synchronize", "time_call", "time_samples"]
+__all__ = ["DEVICES", "Budget", "default_cluster_here", "device_name", "resolve_device", "synchronize", "time_call", "time_samples"]

@@ -16,19 +16,11 @@ from mosaic.cli.common import cli_errors, console, print_json
 from perfmodel.errors import InputError
 
 
-def _default_base(device: str) -> str:
-    from perfmodel.clusters import bundled_cluster_paths
-
-    if device == "cpu" and "cpu_local" in bundled_cluster_paths():
-        return "cpu_local"
-    raise InputError(f"--cluster: give the base cluster that matches this {device} machine "
-                     "(e.g. --cluster h100; see `mosaic clusters`)")
-
-
 @cli_errors
 def calibrate(
     cluster: Optional[str] = typer.Option(None, "--cluster", "-c",
-                                          help="Base cluster (name or file); default cpu_local on --device cpu. "
+                                          help="Base cluster (name or file); default: the bundled cluster of this "
+                                               "device (cpu_local on cpu, by the device's name on cuda/npu). "
                                                "With --from-runs: the (calibrated) cluster to refit."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or npu (npu needs torch_npu)."),
     quick: bool = typer.Option(False, "--quick", help="Small grids (under 3 minutes on a 2-core cpu)."),
@@ -53,7 +45,13 @@ def calibrate(
         return
     if device not in ("cpu", "cuda", "npu"):
         raise InputError(f"--device {device!r} is not one of cpu, cuda, npu")
-    base = cluster or _default_base(device)
+    from calibration.timing import default_cluster_here
+    from perfmodel.clusters import NoDefaultCluster
+
+    try:
+        base = cluster or default_cluster_here(device)
+    except NoDefaultCluster as missing:
+        raise InputError(missing.for_option("--cluster")) from None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from calibration.run import calibrate as run_calibration

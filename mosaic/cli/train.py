@@ -32,31 +32,14 @@ from mosaic.trainer.config import (
     same_run,
     trainer_precision,
 )
-from perfmodel.clusters import load_cluster
+from perfmodel.clusters import NoDefaultCluster, load_cluster
 from perfmodel.errors import InputError, MosaicRuntimeError
 from perfmodel.specs.layout import parse_layout
 from perfmodel.specs.strict import from_mapping, write_yaml_atomic
 
-_CUDA_CLUSTERS = (("GB300", "gb300_nvl72"), ("GB200", "gb200_nvl72"), ("B300", "b300"), ("B200", "b200"),
-                  ("H200", "h200"), ("H800", "h800"), ("H100", "h100"), ("A100", "a100_80gb"), ("MI300", "mi300x"))
-
 
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def _default_cluster(device: str) -> str:
-    if device == "cpu":
-        return "cpu_local"
-    if device == "npu":
-        return "ascend_910b"
-    import torch
-
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    for marker, cluster in _CUDA_CLUSTERS:
-        if marker in name.upper():
-            return cluster
-    raise InputError(f"--cluster: cannot tell the cluster of CUDA device {name!r}; pass --cluster NAME or a cluster file")
 
 
 def _check_device(device: str, ranks: int) -> None:
@@ -119,7 +102,12 @@ def build_config(*, plan: Optional[Path], model: Optional[Path], layout: Optiona
     resolved = check_runnable(arch, lay, devices)
     precision = trainer_precision(resolved, device)
     _check_device(device, devices)
-    cluster_name = cluster or plan_cluster or _default_cluster(device)
+    from calibration.timing import default_cluster_here
+
+    try:
+        cluster_name = cluster or plan_cluster or default_cluster_here(device)
+    except NoDefaultCluster as missing:
+        raise InputError(missing.for_option("--cluster")) from None
     spec = load_cluster(cluster_name)
     spec.accelerator.peak(precision)  # the cluster must know the compute precision's peak
     train = from_mapping(TrainOptions, options)
@@ -168,7 +156,8 @@ def train(
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Ranks (default: the layout's world size)."),
     device: str = typer.Option("cpu", "--device", help="cpu (gloo), cuda (nccl) or npu (hccl)."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Cluster for the MFU peak (default: the plan's, "
-                                          "cpu_local on cpu, from the GPU name on cuda)."),
+                                          "else the bundled cluster of this device: cpu_local on cpu, by the "
+                                          "device's name on cuda/npu)."),
     steps: int = typer.Option(100, "--steps", help="Optimizer steps in total."),
     out: Path = typer.Option(Path("runs/train"), "--out", help="Run folder: run.yaml, metrics.jsonl, checkpoints/."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in --out."),

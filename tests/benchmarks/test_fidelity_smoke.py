@@ -118,85 +118,6 @@ def test_rounds_step_for_the_seconds_asked_within_bounds() -> None:
     assert fidelity.steps_for_seconds(0.02, 12, 0.0) == 12  # --round-seconds 0: the plain split
 
 
-def test_drift_probes_replace_the_host_figures_and_scale_the_rest(tmp_path: Path) -> None:
-    from perfmodel.clusters import load_cluster
-
-    base = load_cluster("cpu_local").accelerator
-    flops = 2.0 * fidelity.PROBE_GEMM_SIZE ** 3
-    calibrated_rate = base.peak("fp32") * float(base.compute_curve("fp32")(flops))
-    # the means: per-op costs twice the calibrated, GEMM rate half (the medians: 1.5x and 1/4)
-    probes = [{"launch_latency_s": base.launch_latency_s * r, "dtensor_op_latency_s": 1e-4 * r,
-               "gemm_flops_per_s": calibrated_rate * g} for r, g in ((1.0, 0.25), (1.5, 0.25), (3.5, 1.0))]
-    used = load_cluster(str(fidelity.interleaved_cluster(Path("cpu_local"), probes, tmp_path))).accelerator
-    assert used.launch_latency_s == pytest.approx(2 * base.launch_latency_s, rel=1e-3)
-    assert used.dtensor_op_latency_s == pytest.approx(2e-4, rel=1e-3)
-    assert used.checkpoint_region_latency_s == pytest.approx(2 * base.checkpoint_region_latency_s, rel=1e-3)
-    assert used.checkpoint_saved_tensor_latency_s == pytest.approx(2 * base.checkpoint_saved_tensor_latency_s, rel=1e-3)
-    assert used.compute_efficiency["fp32"].values == pytest.approx(
-        [v / 2 for v in base.compute_efficiency["fp32"].values], rel=1e-3)
-    assert used.compute_efficiency["bf16"].values == base.compute_efficiency["bf16"].values  # not probed
-    assert "drift probes" in used.sources["dtensor_op_latency_s"]
-
-
-def test_collective_probes_scale_the_fabric_latencies_to_what_they_timed(tmp_path: Path) -> None:
-    """The probes' mean, k times the model's own time for the probed all-reduce, makes the model
-    price that all-reduce at k times (latencies and sync scaled, bandwidth kept)."""
-    from perfmodel.clusters import load_cluster
-    from perfmodel.comm import collective_time
-
-    base = load_cluster("cpu_local")
-    size = fidelity.PROBE_COLLECTIVE_BYTES
-    modelled = float(collective_time(base, "all_reduce", size, 2, 1))
-    probes = (1.5 * modelled, 2.5 * modelled)  # mean: twice the modelled time
-    host = [{"launch_latency_s": base.accelerator.launch_latency_s, "dtensor_op_latency_s": 1e-4,
-             "gemm_flops_per_s": base.accelerator.peak("fp32")}]
-    used = load_cluster(str(fidelity.interleaved_cluster(Path("cpu_local"), host, tmp_path, probes)))
-    assert float(collective_time(used, "all_reduce", size, 2, 1)) == pytest.approx(2 * modelled, rel=2e-3)
-    ratio = fidelity.collective_latency_ratio(base, 2 * modelled)
-    for before, after in zip(base.levels, used.levels):
-        assert after.latency_s == pytest.approx(before.latency_s * ratio, rel=1e-3)
-        assert after.sync_latency_s == pytest.approx(before.sync_latency_s * ratio, rel=1e-3)
-        assert after.bandwidth_bytes_per_s == before.bandwidth_bytes_per_s
-        assert "collective probes" in after.source
-    # a probe faster than the bytes alone allow is floored at the refit's lower bound, not negative
-    assert fidelity.collective_latency_ratio(base, 1e-9) == pytest.approx(0.1)
-    no_probe = load_cluster(str(fidelity.interleaved_cluster(Path("cpu_local"), host, tmp_path)))
-    assert [lv.latency_s for lv in no_probe.levels] == [lv.latency_s for lv in base.levels]
-
-
-def test_collective_probe_times_a_two_rank_all_reduce(tmp_path: Path) -> None:
-    seconds = fidelity.collective_probe(tmp_path)
-    assert seconds is not None and 1e-6 < seconds < 1.0
-    rows = (tmp_path / "collectives.partial.csv").read_text().splitlines()
-    assert len(rows) == 3  # header, back to back, after compute: one kind, one size
-    assert all(f",{fidelity.PROBE_COLLECTIVE_BYTES}.0," in row for row in rows[1:])
-
-
-def test_calibrations_before_and_after_the_runs_merge_by_geometric_mean(tmp_path: Path) -> None:
-    import yaml
-
-    from perfmodel.clusters import load_cluster, resolve_cluster_path
-
-    merge = fidelity.geometric_mean_figures
-    assert merge(2.0, 8.0) == 4.0 and merge(0.0, 2.0) == 1.0 and merge(3, 3) == 3
-    assert merge([1.0, 4.0], [4.0, 1.0]) == [2.0, 2.0]
-    assert merge("a", "b") == "a" and merge(True, False) is True
-    curve = {"sizes": [1.0, 2.0], "values": [0.2, 0.8]}
-    assert merge(curve, {"sizes": [1.0, 3.0], "values": [0.8, 0.2]}) == curve  # other knots: kept, not mixed
-    before = yaml.safe_load(resolve_cluster_path("cpu_local").read_text())
-    after = yaml.safe_load(resolve_cluster_path("cpu_local").read_text())
-    after["accelerator"]["launch_latency_s"] = before["accelerator"]["launch_latency_s"] * 4
-    after["levels"][0]["latency_s"] = before["levels"][0]["latency_s"] / 4
-    (tmp_path / "a.yaml").write_text(yaml.safe_dump(before))
-    (tmp_path / "b.yaml").write_text(yaml.safe_dump(after))
-    merged = load_cluster(str(fidelity.bracketed_cluster(tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path)))
-    assert merged.accelerator.launch_latency_s == pytest.approx(2 * before["accelerator"]["launch_latency_s"], rel=1e-3)
-    assert merged.levels[0].latency_s == pytest.approx(before["levels"][0]["latency_s"] / 2, rel=1e-3)
-    assert merged.accelerator.compute_efficiency["fp32"].values == pytest.approx(
-        before["accelerator"]["compute_efficiency"]["fp32"]["values"])
-    assert "geometric mean" in merged.calibration["bracketed"]
-
-
 @pytest.mark.parametrize("args, message", [
     (["--configs", "nope"], "unknown nope"),
     (["--recalibrate"], "drop --cluster"),  # a given cluster file cannot be calibrated twice
@@ -209,3 +130,15 @@ def test_bad_arguments_are_refused_before_any_run(tmp_path: Path, args: list[str
     assert done.returncode == 2
     assert message in done.stderr and args[0] in done.stderr
     assert not (tmp_path / "fidelity_cpu").exists()
+
+
+def test_an_accelerator_this_machine_lacks_is_refused_before_any_run(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fidelity.py"), "--device", "cuda",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--device cuda: torch sees no CUDA device" in done.stderr
+    assert not list(tmp_path.iterdir())

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from calibration.collectives import FAULT_ENV, run_collectives_subprocess
 from mosaic.cli.app import app
+from perfmodel.errors import InputError
 
 from .conftest import base_cluster
 
@@ -55,7 +56,6 @@ def test_a_hanging_rank_is_killed_after_the_timeout(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["--device", "tpu"], "--device 'tpu'"),
-    (["--device", "cuda"], "--cluster"),
     (["--cluster", "nope"], "cluster 'nope'"),
     (["--cluster", "h100", "-o", "out.txt", "--nproc", "1"], ".yaml"),
     (["--cluster", "h100", "--nproc", "0"], "--nproc"),
@@ -68,6 +68,44 @@ def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, monkeypatch):
     assert result.exit_code == 2, result.output
     assert needle in result.output and "Traceback" not in result.output
     assert not list(tmp_path.glob("*.yaml"))
+
+
+def _fake_cuda(monkeypatch, name: str | None) -> None:
+    """This process sees one CUDA device called `name` (none with None)."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: name is not None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(name is not None))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+@pytest.mark.parametrize(("name", "needle"), [
+    (None, "--device cuda: torch sees no CUDA device"),
+    ("NVIDIA L4", "--cluster: not given, and no bundled cluster describes the cuda device 'NVIDIA L4'"),
+    ("NVIDIA H100 PCIe", "a100_80gb, b200, b300, gb200_nvl72, gb300_nvl72, h100, h200, h800, mi300x"),
+])
+def test_cuda_without_cluster_is_refused_where_no_bundled_cluster_matches(name, needle, tmp_path, monkeypatch):
+    _fake_cuda(monkeypatch, name)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["calibrate", "--device", "cuda"])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_cuda_without_cluster_calibrates_on_the_bundled_cluster_of_the_gpu(tmp_path, monkeypatch):
+    import calibration.run
+
+    _fake_cuda(monkeypatch, "NVIDIA H100 80GB HBM3")
+    asked = {}
+
+    def record(base, **kwargs):
+        asked.update(base=base, device=kwargs["device_kind"])
+        raise InputError("recorded")  # stop before measuring
+
+    monkeypatch.setattr(calibration.run, "calibrate", record)
+    result = CliRunner().invoke(app, ["calibrate", "--device", "cuda", "-o", str(tmp_path / "out.yaml")])
+    assert asked == {"base": "h100", "device": "cuda"}, result.output
+    assert result.exit_code == 2 and "recorded" in result.output
 
 
 def test_help_does_not_import_torch():

@@ -312,3 +312,41 @@ def test_library_reproduces_the_measured_communication(name, kind, size, ranks, 
         assert predicted == pytest.approx(seconds, rel=0.2)
     else:
         assert size / predicted == pytest.approx(rate, rel=0.2)
+
+
+@pytest.mark.parametrize("device, name, expected", [
+    ("cuda", "NVIDIA H100 80GB HBM3", "h100"), ("cuda", "NVIDIA H200", "h200"), ("cuda", "NVIDIA H800", "h800"),
+    ("cuda", "NVIDIA A100-SXM4-80GB", "a100_80gb"), ("cuda", "NVIDIA B200", "b200"),
+    ("cuda", "NVIDIA B300 SXM6 AC", "b300"), ("cuda", "NVIDIA GB200", "gb200_nvl72"),
+    ("cuda", "NVIDIA GB300", "gb300_nvl72"), ("cuda", "AMD Instinct MI300X", "mi300x"),
+    ("npu", "Ascend910B2", "ascend_910b"), ("cpu", None, "cpu_local"), ("cpu", "AMD EPYC 7B13", "cpu_local"),
+])
+def test_a_device_maps_to_the_bundled_cluster_of_its_name(device, name, expected):
+    from perfmodel.clusters import default_cluster_for_device
+
+    assert default_cluster_for_device(device, name) == expected
+    assert expected in bundled_cluster_paths()
+
+
+@pytest.mark.parametrize("name", [
+    "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL",  # PCIe cards: no NVLink node is bundled
+    "NVIDIA A100-SXM4-40GB", "NVIDIA GH200 480GB", "NVIDIA L4", "", None,
+])
+def test_a_device_no_bundled_cluster_describes_is_refused_naming_the_parameter_and_the_choices(name):
+    from perfmodel.clusters import NoDefaultCluster, default_cluster_for_device
+
+    with pytest.raises(NoDefaultCluster) as refused:
+        default_cluster_for_device("cuda", name)
+    assert str(refused.value).startswith("device_name ")
+    assert "h100" in refused.value.choices and "ascend_910b" not in refused.value.choices
+    flag = refused.value.for_option("--cluster")
+    assert flag.startswith("--cluster: not given") and ", ".join(refused.value.choices) in flag and "\n" not in flag
+    with pytest.raises(InputError, match="device 'tpu'"):
+        default_cluster_for_device("tpu", name)
+
+
+def test_every_device_rule_names_a_bundled_cluster():
+    from perfmodel.clusters import DEVICE_NAME_CLUSTERS
+
+    named = {cluster for rules in DEVICE_NAME_CLUSTERS.values() for _, cluster in rules}
+    assert named <= set(bundled_cluster_paths())

@@ -114,3 +114,23 @@ def test_missing_accelerator_is_refused_before_launch(tmp_path, no_launch, tiny_
     result = CliRunner().invoke(app, ["train", "--model", str(tiny_model_file), "--layout", "dp=1,mbs=1,gbs=1",
                                       "--device", "cuda", "--cluster", "h100", "--out", str(tmp_path / "run")])
     assert result.exit_code == 2 and "no cuda device" in result.output
+
+
+@pytest.mark.parametrize(("name", "cluster"), [("NVIDIA H200", "h200"), ("NVIDIA L4", None)])
+def test_cuda_without_cluster_takes_the_bundled_cluster_of_the_gpu_or_names_the_flag(tmp_path, no_launch,
+                                                                                     tiny_model_file, monkeypatch,
+                                                                                     name, cluster):
+    from perfmodel.errors import InputError
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    build = dict(plan=None, model=tiny_model_file, layout="dp=1,mbs=1,gbs=1", nproc=None, device="cuda", cluster=None,
+                 out=tmp_path / "run", options={"steps": 3})
+    if cluster is not None:
+        assert train_cmd.build_config(**build).cluster == cluster
+    else:
+        with pytest.raises(InputError, match="^--cluster: not given, .*'NVIDIA L4'.* h100, h200"):
+            train_cmd.build_config(**build)
+    assert not (tmp_path / "run").exists()
