@@ -9,7 +9,7 @@ Transformer Engine that `perfmodel.operators` states for GPUs (where the host en
 ahead of the device and only the excess shows).
 
 An op is an aten op that reaches a backend kernel (views included: they are dispatched
-too). Source of every count: `calibration.eager_ops.count_trainer_ops` (one training step of
+too). Source of every count: `mosaic.trainer.op_count.count_trainer_ops` (one training step of
 `mosaic.trainer.model.Transformer` under a `TorchDispatchMode`), on the tiny MoE of
 examples/tiny_moe.yaml and its variants; the counts do not depend on mbs or widths. The
 measured counts behind each constant are in docs/eager_counts.md, and
@@ -136,7 +136,7 @@ EAGER_DTENSOR_OPS = {
     "moe": (2.0, 7.0),            # the replicated router weight (experts see a sequence shard, plain tensors)
     "head": (4.0, 9.0),           # column-wise LM head, logits gathered
 }
-"""Counted with `calibration.eager_ops.count_trainer_ops(arch, tp=2)` (fake 2-rank world) on the
+"""Counted with `mosaic.trainer.op_count.count_trainer_ops(arch, tp=2)` (fake 2-rank world) on the
 tiny MoE without its shared expert (router only) and the dense variant; they do not depend on
 the tp degree, mbs or widths."""
 EAGER_DTENSOR_SHARED_EXPERT_OPS = (6.0, 21.0)
@@ -187,7 +187,7 @@ EAGER_SAVED_TENSORS = {"attention": 23.0, "dense_ffn": 15.0, "moe": 30.0}
 """Tensors autograd saves per layer block in one micro-batch's forward (what a checkpointed layer
 packs and recomputes): attention with its norm, projections, RoPE and core; the SwiGLU dense FFN
 with its norm; the MoE layer (router, dispatch, grouped experts) without a shared expert.
-Counted with `calibration.eager_ops.count_saved_tensors`; they do not depend on widths, mbs or
+Counted with `mosaic.trainer.op_count.count_saved_tensors`; they do not depend on widths, mbs or
 GQA vs MHA."""
 EAGER_SAVED_CORE = 5.0
 """Saved by the attention core alone (selective recompute's region: SDPA's inputs and outputs)."""
