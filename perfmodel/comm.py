@@ -12,7 +12,10 @@ alpha-beta as in Galvatron/SimAI/llm-analysis):
   level holds them all), f_j = c_j / c_{j-1} members joined at level j.
 - Bandwidth bytes per device at level j, for a buffer S:
     all-reduce                 2 (f_j - 1)/f_j * S / c_{j-1}   (reduce-scatter down, all-gather up)
-    all-gather, reduce-scatter   (f_j - 1)/f_j * S / c_{j-1}
+    all-gather, reduce-scatter   (n - 1)/n * S / c_{j-1}       (a ring over all n ranks: NCCL has no
+                                                             hierarchical algorithm for them, so every
+                                                             level's links carry the ring's traffic,
+                                                             spread over the c_{j-1} devices' links)
     all-to-all                   (c_j - c_{j-1})/n * S          (the share of S leaving the inner domain)
     p2p                          S where the two ranks first meet
   On one level these are the ring factors 2(n-1)/n and (n-1)/n.
@@ -125,7 +128,7 @@ def collective_coefficients(cluster: ClusterSpec, kind: str, n: Values, stride: 
             per_byte = 2.0 * (fan - 1.0) / fan / c_prev
             steps = 2.0 * log_steps
         elif kind in ("all_gather", "reduce_scatter"):
-            per_byte = (fan - 1.0) / fan / c_prev
+            per_byte = (n - 1.0) / n / c_prev  # a ring over all n ranks (NCCL runs no hierarchical algorithm for them)
             steps = log_steps
         elif kind == "all_to_all":
             per_byte = (c - c_prev) / n

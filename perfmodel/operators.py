@@ -157,11 +157,17 @@ class Op:
     flops: tuple[Values, Values, Values]
     bytes: tuple[Values, Values, Values]
     kernels: tuple[Values, Values, Values]
-    kernel_flops: tuple[Values, Values, Values]
+    shape: tuple[Values, Values, Values]
+    """What its efficiency is read at: a GEMM's forward (m, n, k) of one group (m rows, n
+    outputs, k the reduction; each phase's own dims follow, `kernels.forms.phase_dims`); the
+    attention core's (sequence length, head dim, 0); a memory-bound kernel's (0, 0, 0)."""
     overlappable: bool
     size_phase: int = 0
-    """The phase whose kernel size sets the efficiencies of all three (the forward,
+    """A memory-bound op's phase whose bytes per kernel set its efficiency (the forward,
     unless the op has no forward work, like a cast that only exists backward)."""
+    memory_class: str = "copy"
+    """The kernel class of a memory-bound op (`kernels.forms.MEMORY_CLASSES`); a GEMM's
+    operand streams are priced as copies."""
 
     def row(self, i: int | None = None) -> dict[str, Any]:
         """Plain numbers (of candidate i for a batch) for tables and JSON."""
@@ -207,16 +213,27 @@ def _gemm(name: str, block: str, kind: str, m: Values, k: Values, n: Values, b_i
     fwd_bytes = b_in * (m * k + weights) + b_out * m * n
     dgrad_bytes = b_in * (m * n + weights) + b_out * m * k
     wgrad_bytes = b_in * (m * k + m * n) + 2 * FP32_GRAD_BYTES * weights
-    size = flops / groups
     return Op(name, block, kind, (flops, flops, flops), (fwd_bytes, dgrad_bytes, wgrad_bytes),
-              (groups, groups, groups), (size, size, size), True)
+              (groups, groups, groups), (m / groups, n, k), True)
+
+
+MEMORY_CLASS_OF = {
+    "attn_norm": "norm", "ffn_norm": "norm", "moe_norm": "norm", "final_norm": "norm",
+    "ffn_act": "activation", "expert_act": "activation", "shared_act": "activation",
+    "permute": "permute", "unpermute_combine": "permute", "embedding": "permute",
+    "cross_entropy": "cross_entropy", "fp8_cast": "cast",
+}
+"""Memory-bound op -> its kernel class (the rest: elementwise: residual adds, RoPE, router softmax,
+top-k and load-balancing loss)."""
 
 
 def _memory(name: str, block: str, fwd_bytes: Values, bwd_bytes: Values, kernels_fwd: Values = 1.0,
-            kernels_bwd: Values = 1.0, size_phase: int = 0) -> Op:
-    """A bandwidth-bound kernel (its few FLOPs per element are not the limit)."""
+            kernels_bwd: Values = 1.0, size_phase: int = 0, memory_class: str | None = None) -> Op:
+    """A bandwidth-bound kernel (its few FLOPs per element are not the limit) of `memory_class`
+    (default: MEMORY_CLASS_OF[name], else elementwise)."""
+    cls = memory_class or MEMORY_CLASS_OF.get(name, "elementwise")
     return Op(name, block, "memory", (0.0, 0.0, 0.0), (fwd_bytes, bwd_bytes, 0.0),
-              (kernels_fwd, kernels_bwd, 0.0), (0.0, 0.0, 0.0), False, size_phase)
+              (kernels_fwd, kernels_bwd, 0.0), (0.0, 0.0, 0.0), False, size_phase, cls)
 
 
 def _fp8_cast(block: str, lay: LayoutLike, fwd_elements: Values, bwd_elements: Values, casts_fwd: Values,
@@ -301,9 +318,9 @@ def attention_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
     core_fwd = 4.0 * CAUSAL_FRACTION * T * sh["s"] * h_q / tp
     core_fwd_bytes = b * T * (2.0 * h_q + 2.0 * h_kv) / tp + 4.0 * T * sh["heads"] / tp
     core_bwd_bytes = b * T * (4.0 * h_q + 4.0 * h_kv) / tp + 4.0 * T * sh["heads"] / tp
+    head_dim = np.asarray(arch.head_dim, dtype=float)
     core = Op("core_attention", "attention", "attention", (core_fwd, FLASH_BWD_FACTOR * core_fwd, 0.0),
-              (core_fwd_bytes, core_bwd_bytes, 0.0), (1.0, 2.0, 0.0),
-              (core_fwd, FLASH_BWD_FACTOR * core_fwd / 2.0, 0.0), True)
+              (core_fwd_bytes, core_bwd_bytes, 0.0), (1.0, 2.0, 0.0), (sh["s"] / sh["cp"], head_dim, 0.0), True)
     return [
         _memory("attn_norm", "attention", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
         _gemm("qkv_proj", "attention", "gemm", T, h, (h_q + 2.0 * h_kv) / tp, b_in, b),

@@ -63,32 +63,56 @@ class _Device:
                 peaks[p] = max(acc.peak_flops_per_s.values())
         self.gemm_peak = peaks[precision] * self.share
         self.attn_peak = peaks[attn_precision] * self.share
-        self.gemm_curve = acc.compute_curve(precision)
-        self.attn_curve = acc.compute_curve(attn_precision)
+        k = acc.kernels
+        self.gemm = k.gemm[k.precision("gemm", precision)]
+        self.gemm_hp = k.gemm[k.precision("gemm", attn_precision)]
+        self.grouped = k.grouped_gemm[k.precision("grouped_gemm", precision)]
+        self.attention = k.attention[k.precision("attention", attn_precision)]
+        self.memory = k.memory
         self.launch_latency_s = acc.launch_latency_s / self.share  # ranks sharing a CPU core dispatch in turns
 
-    def memory_seconds(self, nbytes: float, kernels: float) -> float:
+    def memory_seconds(self, nbytes: float, kernels: float, kernel_class: str = "copy") -> float:
+        """bytes / (HBM bw x fraction[class] x s(bytes per kernel)), i.e. (bytes + kernels x
+        bytes_half) / (HBM bw x fraction[class])."""
         if nbytes <= 0:
             return 0.0
-        eff = float(self.acc.memory_efficiency(nbytes / max(kernels, 1.0)))
+        per_kernel = nbytes / max(kernels, 1.0)
+        eff = self.memory.fraction[kernel_class] * per_kernel / (per_kernel + self.memory.bytes_half)
         return nbytes / (self.acc.hbm_bandwidth_bytes_per_s * eff)
 
+    @staticmethod
+    def _gemm_eff(fig: Any, m: float, n: float, k: float) -> float:
+        return fig.e_max * m / (m + fig.m_half) * n / (n + fig.n_half) * k / (k + fig.k_half)
+
     def op_phase_seconds(self, op: Op) -> list[float]:
-        """Each phase: max(FLOPs / (peak x eff_compute), bytes / (bandwidth x eff_memory)),
-        both efficiencies read at the op's forward size (kernel FLOPs, bytes per kernel)."""
-        j0 = op.get("size_phase", 0)             # a backward-only op is sized by its backward
-        mem_eff = float(self.acc.memory_efficiency(op["bytes"][j0] / max(op["kernels"][j0], 1.0)))
-        bandwidth = self.acc.hbm_bandwidth_bytes_per_s * mem_eff
-        if op["kind"] in ("attention", "gemm_hp"):   # bf16 even under fp8
-            rate = self.attn_peak * float(self.attn_curve(op["sizes"][0]))
-            if op["kind"] == "attention":  # the core runs at a measured fraction of a GEMM's rate
-                rate *= self.acc.attention_efficiency_vs_gemm or 1.0
-        elif op["kind"] != "memory":
-            rate = self.gemm_peak * float(self.gemm_curve(op["sizes"][0]))
+        """Memory-bound: each phase's bytes at its class's efficiency. GEMM: each phase
+        max(FLOPs / (peak x eff(that phase's m, n, k)), operand bytes as copies); the input
+        gradient reduces over n, the weight gradient over the m tokens. Attention: fwd / bwd at
+        e_max[phase] s(seq) s(head dim)."""
+        if op["kind"] == "memory":
+            return [self.memory_seconds(op["bytes"][j], op["kernels"][j], op["class"]) for j in range(3)]
         seconds = []
         for j in range(3):
-            memory_s = op["bytes"][j] / bandwidth
-            seconds.append(memory_s if op["kind"] == "memory" else max(op["flops"][j] / rate, memory_s))
+            if op["flops"][j] == 0 and op["bytes"][j] == 0:
+                seconds.append(0.0)
+                continue
+            if op["kind"] == "attention":
+                seq, dim = op["shape"][0], op["shape"][1]
+                fig = self.attention
+                e_max = fig.fwd_e_max if j == 0 else fig.bwd_e_max
+                rate = self.attn_peak * e_max * seq / (seq + fig.seq_half_causal) * dim / (dim + fig.head_dim_half)
+            else:
+                m, n, k = op["shape"]
+                dims = ((m, n, k), (m, k, n), (k, n, m))[j]     # fwd, dgrad, wgrad
+                if op["kind"] == "expert_gemm":
+                    fig, peak = (self.grouped.fwd, self.grouped.dgrad, self.grouped.wgrad)[j], self.gemm_peak
+                elif op["kind"] == "gemm_hp":   # bf16 even under fp8
+                    fig, peak = self.gemm_hp, self.attn_peak
+                else:
+                    fig, peak = self.gemm, self.gemm_peak
+                rate = peak * self._gemm_eff(fig, *dims)
+            compute_s = op["flops"][j] / rate if op["flops"][j] > 0 else 0.0
+            seconds.append(max(compute_s, self.memory_seconds(op["bytes"][j], op["kernels"][j])))
         return seconds
 
 
@@ -178,7 +202,7 @@ def _sizes(arch: MoEArchitecture, lay: ParallelLayout) -> _Sizes:
 
 def _gemm(name: str, kind: str, m: float, k: float, n: float, b_in: float, b_out: float, groups: float = 1.0) -> Op:
     flops = 2.0 * m * k * n
-    return {"name": name, "kind": kind, "overlap": True, "size": flops / groups,
+    return {"name": name, "kind": kind, "overlap": True, "shape": (m / groups, n, k),
             "flops": (flops, flops, flops),
             "bytes": (b_in * (m * k + k * n) + b_out * m * n,
                       b_in * (m * n + k * n) + b_out * m * k,
@@ -186,9 +210,15 @@ def _gemm(name: str, kind: str, m: float, k: float, n: float, b_in: float, b_out
             "kernels": (groups, groups, groups)}     # TE grouped GEMM: one cuBLAS call per expert
 
 
+MEMORY_CLASS = {"attn_norm": "norm", "ffn_norm": "norm", "moe_norm": "norm", "final_norm": "norm",
+                "ffn_act": "activation", "expert_act": "activation", "shared_act": "activation",
+                "permute": "permute", "unpermute_combine": "permute", "embedding": "permute",
+                "cross_entropy": "cross_entropy", "fp8_cast": "cast"}   # the rest: elementwise
+
+
 def _mem(name: str, fwd: float, bwd: float, kf: float = 1.0, kb: float = 1.0) -> Op:
-    return {"name": name, "kind": "memory", "overlap": False, "size": 0.0, "flops": (0.0, 0.0, 0.0),
-            "bytes": (fwd, bwd, 0.0), "kernels": (kf, kb, 0.0)}
+    return {"name": name, "kind": "memory", "overlap": False, "class": MEMORY_CLASS.get(name, "elementwise"),
+            "flops": (0.0, 0.0, 0.0), "bytes": (fwd, bwd, 0.0), "kernels": (kf, kb, 0.0)}
 
 
 def _block_ops(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes) -> dict[str, list[Op]]:
@@ -206,7 +236,6 @@ def _block_ops(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes) -> dict[st
 
     def cast(fwd_elements: float, bwd_elements: float, n_fwd: float, n_bwd: float) -> Op:
         op = _mem("fp8_cast", cast_b * fwd_elements, cast_b * bwd_elements, cast_k * n_fwd, cast_k * n_bwd)
-        op["size_phase"] = 0 if n_fwd else 1
         return op
 
     def mlp(prefix: str, width: float) -> list[Op]:
@@ -226,7 +255,7 @@ def _block_ops(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes) -> dict[st
             _gemm("qkv_proj", "gemm", T, h, (h_q + 2 * h_kv) / tp, b_in, b),
             _mem("rope", 2.0 * b * T * (h_q + h_kv) / tp, 2.0 * b * T * (h_q + h_kv) / tp),
             {"name": "core_attention", "kind": "attention", "overlap": True, "flops": (core, FLASH_BWD * core, 0.0),
-             "sizes": (core, FLASH_BWD * core / 2.0, 0.0),
+             "shape": (z.s / lay.cp, float(arch.head_dim), 0.0),
              "bytes": (b * T * (2 * h_q + 2 * h_kv) / tp + 4.0 * T * arch.n_heads / tp,
                        b * T * (4 * h_q + 4 * h_kv) / tp + 4.0 * T * arch.n_heads / tp, 0.0),
              "kernels": (1.0, 2.0, 0.0)},
@@ -325,7 +354,7 @@ class _AsyncHost:
 
     def optimizer_s(self, st: _StageView, optimizer_bytes: float, dev: _Device, coll: Coll) -> float:
         kernels = OPT_KERNELS_PER_LAYER * max(st.c["attention"], 1.0)
-        return max(dev.memory_seconds(optimizer_bytes, kernels), kernels * dev.launch_latency_s)
+        return max(dev.memory_seconds(optimizer_bytes, kernels, "optimizer"), kernels * dev.launch_latency_s)
 
 
 class _EagerHost:
@@ -407,7 +436,7 @@ class _EagerHost:
                    + (1.0 if arch.tie_embeddings else 2.0) * c["head"])
         kernels = (eager.EAGER_OPS_PER_PARAM_TENSOR * tensors + eager.EAGER_STEP_OPS
                    + eager.EAGER_STEP_OPS_PER_MOE_LAYER * c["moe"] + eager.EAGER_OPS_PER_MICRO_BATCH * st.m)
-        seconds = dev.memory_seconds(optimizer_bytes, kernels) + kernels * dev.launch_latency_s
+        seconds = dev.memory_seconds(optimizer_bytes, kernels, "optimizer") + kernels * dev.launch_latency_s
         # the trainer's per-step small all-reduces: token count, statistics, gradient-norm parts
         for group, count in (("dp", 1.0), ("world", 1.0), ("tp", 2.0), ("ep", 1.0), ("etp", 1.0), ("pp_all", 1.0)):
             seconds += count * coll(group, "all_reduce", eager.EAGER_STEP_COLLECTIVE_BYTES)
@@ -467,8 +496,6 @@ def _block_tables(blocks: dict[str, list[Op]], comms: dict[str, list[CommItem]],
                                       "bwd_attention", "bwd_expert_gemm", "fwd_overlap", "bwd_overlap",
                                       "fwd_kernels", "bwd_kernels", "core_fwd")}
         for op in ops:
-            if "sizes" not in op:
-                op["sizes"] = (op["size"],) * 3
             seconds = dev.op_phase_seconds(op)
             cat = category[op["kind"]]
             table[f"fwd_{cat}"] += seconds[0]

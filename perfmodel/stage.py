@@ -196,5 +196,5 @@ def _optimizer_s(stage: StageBlocks, hw: HardwareView, pricer: CollectivePricer,
                               dense_params + expert_params)
     optimizer_bytes = optimizer_step_bytes_per_param(lay) * updated_params
     kernels = host.step_kernels(stage)
-    memory_s = hw.memory_time(optimizer_bytes, kernels)
+    memory_s = hw.memory_seconds(optimizer_bytes, kernels, "optimizer")
     return host.step_s(stage, memory_s, kernels, hw.launch_latency_s, hw.share, pricer)

@@ -27,6 +27,7 @@ import numpy as np
 from perfmodel.comm import CollectivePricer
 from perfmodel.hardware import HardwareView
 from perfmodel.operators import (
+    PHASES,
     FULL,
     SELECTIVE,
     Comm,
@@ -68,28 +69,31 @@ _HASH_MULTIPLIERS = np.random.default_rng(20250101).integers(1, 2**62, size=32, 
 
 
 def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
-    """Seconds of one op per phase (fwd, dgrad, wgrad): max(FLOPs / (peak x eff_compute),
-    bytes / (HBM bw x eff_memory)). The efficiencies are looked up once, at the op's forward
-    size (FLOPs of one kernel call; bytes per kernel; `op.size_phase` for an op without
-    forward work), and hold for all three phases: the input- and weight-gradient kernels
-    work on the same matrices."""
-    j0 = op.size_phase
-    seconds_per_byte = 1.0 / (hw.hbm_bytes_per_s * hw.memory_efficiency(op.bytes[j0], op.kernels[j0]))
-    seconds_per_flop = None if op.kind == "memory" else 1.0 / hw.compute_rate(op.kind, op.kernel_flops[0])
+    """Seconds of one op per phase (fwd, dgrad, wgrad).
+
+    memory-bound: `HardwareView.memory_seconds(bytes, kernels, class)` of each phase; GEMM:
+    max(FLOPs / gemm_rate(phase dims), copy seconds of its operand bytes), each phase at its own
+    (m, n, k) (`kernels.forms.phase_dims`); attention core: max(FLOPs / attention_rate(phase),
+    copy seconds), its backward in the dgrad slot."""
     out: list[Values] = []
-    compute_s_of: dict[int, Values] = {}  # a GEMM's three phases share one FLOPs array: one product
-    for j in range(3):
+    if op.kind == "memory":
+        for j in range(3):
+            nbytes = op.bytes[j]
+            out.append(0.0 if (np.ndim(nbytes) == 0 and nbytes == 0)
+                       else hw.memory_seconds(nbytes, op.kernels[j], op.memory_class))
+        return out[0], out[1], out[2]
+    for j, phase in enumerate(PHASES):
         nbytes, flops = op.bytes[j], op.flops[j]
-        if np.ndim(nbytes) == 0 and nbytes == 0 and np.ndim(flops) == 0 and flops == 0:
-            out.append(0.0)  # nothing in this phase (e.g. no weight gradient)
+        if np.ndim(flops) == 0 and flops == 0 and np.ndim(nbytes) == 0 and nbytes == 0:
+            out.append(0.0)  # nothing in this phase (e.g. attention has no weight gradient)
             continue
-        memory_s = nbytes * seconds_per_byte
-        if seconds_per_flop is None:
-            out.append(memory_s)
-            continue
-        if id(flops) not in compute_s_of:
-            compute_s_of[id(flops)] = flops * seconds_per_flop
-        out.append(np.maximum(compute_s_of[id(flops)], memory_s))
+        if op.kind == "attention":
+            rate = hw.attention_rate("fwd" if j == 0 else "bwd", op.shape[0], op.shape[1])
+        else:
+            rate = hw.gemm_rate(op.kind, phase, op.shape[0], op.shape[1], op.shape[2])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            compute_s = np.where(np.asarray(flops) > 0, flops / rate, 0.0)
+        out.append(np.maximum(compute_s, hw.memory_seconds(nbytes, op.kernels[j])))
     return out[0], out[1], out[2]
 
 

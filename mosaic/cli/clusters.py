@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import typer
 from rich.markup import escape
 from rich.table import Table
@@ -59,6 +61,40 @@ def clusters(json_output: bool = typer.Option(False, "--json", help="Print JSON 
     console.print(table)
 
 
+def _provenance(rows: int, error: Optional[float], derived: str) -> str:
+    """'12 rows, median error 4%' for a measured figure; 'DERIVED: rule' for a carried-over one."""
+    if derived and not rows:
+        return f"DERIVED: {derived}"
+    text = f"{rows} measured rows, median error {100 * (error or 0):.0f}%"
+    return f"{text} ({derived})" if derived else text
+
+
+def _kernel_table(kernels: Any) -> Table:
+    """Every fitted kernel figure with its provenance (measured rows or the derivation rule)."""
+    table = Table(title="kernels (fitted to perfmodel/data/kernels/*.csv)", show_lines=True)
+    for column in ("kernel", "figures", "provenance"):
+        table.add_column(column, overflow="fold")
+    for precision, g in kernels.gemm.items():
+        table.add_row(f"GEMM {precision}", f"e_max {g.e_max:.2f}, halves m {g.m_half:.4g} n {g.n_half:.4g} k {g.k_half:.4g}",
+                      _plain(_provenance(g.rows, g.median_abs_error, g.derived)))
+    for precision, grouped in kernels.grouped_gemm.items():
+        for phase in ("fwd", "dgrad", "wgrad"):
+            g = grouped.phase(phase)
+            table.add_row(f"grouped GEMM {precision} {phase}", f"e_max {g.e_max:.2f}",
+                          _plain(_provenance(g.rows, g.median_abs_error, g.derived)))
+    for precision, a in kernels.attention.items():
+        table.add_row(f"attention {precision}", f"e_max fwd {a.fwd_e_max:.2f} bwd {a.bwd_e_max:.2f}, seq half "
+                      f"{a.seq_half_causal:.4g} (causal), head-dim half {a.head_dim_half:.3g}",
+                      _plain(_provenance(a.rows, a.median_abs_error, a.derived)))
+    m = kernels.memory
+    for cls, fraction in m.fraction.items():
+        derived = m.derived.get(cls, "")
+        table.add_row(f"memory {cls}", f"{fraction:.0%} of HBM bw (bytes half {m.bytes_half:.3g})",
+                      _plain(f"DERIVED: {derived}" if derived else f"measured ({m.rows} rows over the classes, "
+                                                                   f"median error {100 * (m.median_abs_error or 0):.0f}%)"))
+    return table
+
+
 @cli_errors
 def show_cluster(
     name: str = typer.Argument(..., help="Bundled cluster name or a cluster YAML path."),
@@ -82,17 +118,18 @@ def show_cluster(
     table.add_row("HBM", f"{acc.hbm_bytes / 1e9:.3g} GB (usable {acc.usable_hbm_bytes / 1e9:.3g})", _plain(acc.sources["hbm_bytes"]))
     table.add_row("HBM bandwidth", _bytes_per_s(acc.hbm_bandwidth_bytes_per_s), _plain(acc.sources["hbm_bandwidth_bytes_per_s"]))
     table.add_row("launch latency", f"{acc.launch_latency_s * 1e6:.1f} us", _plain(acc.sources["launch_latency_s"]))
-    for precision, curve in acc.compute_efficiency.items():
-        table.add_row(f"GEMM efficiency {precision}", f"max {curve.max_value:.1%}", _plain(curve.source))
-    table.add_row("memory efficiency", f"max {acc.memory_efficiency.max_value:.0%}", _plain(acc.memory_efficiency.source))
     console.print(table)
+    console.print(_kernel_table(acc.kernels))
     fabric = Table(title="fabric levels (innermost first)", show_lines=True)
     for column in ("level", "devices", "GB/s per device (uni)", "latency us", "efficiency", "source"):
         fabric.add_column(column, overflow="fold")
     for lvl in spec.levels:
         eff = "\n".join([f"default {lvl.efficiency:.2f}"] + [f"{k} {v:.2f}" for k, v in lvl.collective_efficiency.items()])
+        fit = lvl.collective_fit
+        source = lvl.source if fit is None else (f"{lvl.source}\nfigures: {_provenance(fit.rows, fit.median_abs_error, fit.derived)}; "
+                                                f"{fit.source}")
         fabric.add_row(_plain(lvl.name), str(lvl.devices), f"{lvl.bandwidth_bytes_per_s / 1e9:g}", f"{lvl.latency_s * 1e6:.1f}",
-                       eff, _plain(lvl.source))
+                       eff, _plain(source))
     console.print(fabric)
     gp = spec.goodput
     goodput = f"eta {gp.eta}" if gp.eta is not None else f"node MTBF {gp.node_mtbf_hours:g} h, checkpoint {gp.checkpoint_s:g} s, restart {gp.restart_s:g} s"

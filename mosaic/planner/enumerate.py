@@ -82,7 +82,7 @@ class Problem:
 
     def mfu_cap(self) -> np.ndarray:
         acc = self.cluster.accelerator
-        eff = max(max(acc.compute_curve(p).max_value for p in self.space.layout.precision), 1e-12)
+        eff = max(acc.max_gemm_efficiency(self.space.layout.precision), 1e-12)
         fpt = self.flops_per_token
         attn = np.asarray(attention_flops_per_token(self.geoms.archs), dtype=float)
         return np.minimum(1.0, eff * fpt / np.maximum(fpt - attn, 1e-30))

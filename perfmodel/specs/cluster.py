@@ -9,6 +9,7 @@ figures by measured ones and records that in `calibration:`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 import hashlib
 import math
 import os
@@ -20,42 +21,10 @@ import yaml
 from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
+from perfmodel.specs.kernels import KernelFigures
 from perfmodel.specs.strict import check, spec_to_dict
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-
-
-@dataclass(frozen=True)
-class EfficiencyCurve:
-    """Achieved fraction of peak as a function of problem size.
-
-    Piecewise linear in log10(size), flat beyond the ends. For compute the size
-    is the FLOPs of one kernel call; for memory it is the bytes it moves.
-    """
-
-    sizes: tuple[float, ...]
-    """Problem sizes, strictly increasing (FLOPs or bytes)."""
-    values: tuple[float, ...]
-    """Efficiency in (0, 1] at each size."""
-    source: str = ""
-    """Where the points come from (datasheet, paper, calibration run)."""
-
-    def __post_init__(self) -> None:
-        check(len(self.sizes) == len(self.values) and len(self.sizes) >= 1, "sizes",
-              f"{len(self.sizes)} sizes but {len(self.values)} values", "give one value per size")
-        check(all(s > 0 for s in self.sizes), "sizes", "sizes must be > 0", "use positive FLOPs or bytes")
-        check(all(b > a for a, b in zip(self.sizes, self.sizes[1:])), "sizes",
-              "sizes must be strictly increasing", "sort them and drop duplicates")
-        check(all(0 < v <= 1 for v in self.values), "values",
-              f"efficiencies must be in (0, 1], got {list(self.values)}", "use fractions of peak")
-
-    def __call__(self, size: ArrayLike) -> np.ndarray:
-        log_size = np.log10(np.maximum(np.asarray(size, dtype=float), 1e-30))
-        return np.interp(log_size, np.log10(self.sizes), self.values)
-
-    @property
-    def max_value(self) -> float:
-        return max(self.values)
 
 
 @dataclass(frozen=True)
@@ -70,10 +39,9 @@ class Accelerator:
     """Device memory (vendor label)."""
     hbm_bandwidth_bytes_per_s: float
     """Peak memory bandwidth."""
-    compute_efficiency: dict[str, EfficiencyCurve]
-    """Achieved fraction of peak vs kernel FLOPs, per precision (missing ones use bf16)."""
-    memory_efficiency: EfficiencyCurve
-    """Achieved fraction of HBM bandwidth vs bytes moved."""
+    kernels: KernelFigures
+    """Fitted kernel figures (GEMM and grouped GEMM by shape, attention, memory-bound kernel
+    classes) with their rows, errors, sources and derivation (`perfmodel.specs.kernels`)."""
     launch_latency_s: float
     """Host time to dispatch one kernel (bounds small micro-batches)."""
     sources: dict[str, str]
@@ -86,10 +54,6 @@ class Accelerator:
     recompute (None: not priced). Measured by `mosaic calibrate` on cpu."""
     checkpoint_saved_tensor_latency_s: Optional[float] = None
     """Host time per tensor a checkpointed region saves (pack, recompute, unpack hooks)."""
-    attention_efficiency_vs_gemm: Optional[float] = None
-    """The attention core's achieved rate over a dense GEMM's of equal FLOPs (same precision);
-    None: priced as that GEMM. Measured by `mosaic calibrate` from its SDPA points (the cpu
-    figures: docs/validation.md)."""
     dtensor_op_latency_s: Optional[float] = None
     """Host time one DTensor op adds beyond the single-device ops (tensor parallel in eager
     PyTorch: sharding propagation, wrapping); priced on CPU clusters, whose ranks run the
@@ -112,12 +76,6 @@ class Accelerator:
             check(value is None or (math.isfinite(value) and value >= 0), key, "must be >= 0 seconds",
                   "write seconds, e.g. 6.0e-5, or leave it out")
             check(value is None or key in self.sources, "sources", f"no source for {key}", "cite the measurement")
-        ratio = self.attention_efficiency_vs_gemm
-        check(ratio is None or (math.isfinite(ratio) and 0 < ratio <= 4), "attention_efficiency_vs_gemm",
-              f"must be in (0, 4], got {ratio}", "write the measured ratio, e.g. 0.3, or leave it out")
-        check(ratio is None or "attention_efficiency_vs_gemm" in self.sources, "sources",
-              "no source for attention_efficiency_vs_gemm", "cite the measurement")
-        check(len(self.compute_efficiency) > 0, "compute_efficiency", "is empty", "give a curve for bf16 (or fp32)")
         missing = [k for k in ("peak_flops_per_s", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "launch_latency_s")
                    if k not in self.sources]
         check(not missing, "sources", f"no source for {', '.join(missing)}", "cite a datasheet, paper or measurement")
@@ -134,11 +92,26 @@ class Accelerator:
         raise InputError(f"accelerator '{self.name}' has no {precision} peak; choose one of "
                          f"{', '.join(self.peak_flops_per_s)}")
 
-    def compute_curve(self, precision: str) -> EfficiencyCurve:
-        for name in (precision, "fp8" if precision == "mxfp8" else "", "bf16", "fp32"):
-            if name in self.compute_efficiency:
-                return self.compute_efficiency[name]
-        return next(iter(self.compute_efficiency.values()))
+    def max_gemm_efficiency(self, precisions: Sequence[str]) -> float:
+        """The largest e_max of any dense or grouped GEMM figure serving `precisions` (a bound
+        on achieved FLOP/s over peak, used by the planner's loss bound)."""
+        k = self.kernels
+        values = []
+        for p in precisions:
+            values.append(k.gemm[k.precision("gemm", p)].e_max)
+            grouped = k.grouped_gemm[k.precision("grouped_gemm", p)]
+            values += [grouped.fwd.e_max, grouped.dgrad.e_max, grouped.wgrad.e_max]
+        return max(values)
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """Provenance of a fabric level's collective figures."""
+
+    source: str
+    rows: int = 0
+    median_abs_error: Optional[float] = None
+    derived: str = ""
 
 
 @dataclass(frozen=True)
@@ -159,6 +132,9 @@ class FabricLevel:
     """Where the figures come from."""
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     """... unless overridden here per collective (all_reduce, all_gather, reduce_scatter, all_to_all, p2p)."""
+    collective_fit: Optional[CollectiveFit] = None
+    """How latency_s and the efficiencies were obtained: fitted table rows, or carried over
+    (`perfmodel.kernels.build`); None for a hand-written level."""
     sync_latency_s: float = 0.0
     """Fixed cost per blocking collective call issued between computations, beyond latency_s
     per step: the peers' waiting threads wake up and the ranks arrive apart. 0 where collectives
@@ -170,11 +146,13 @@ class FabricLevel:
               "write seconds, e.g. 5.0e-4, or leave it out (0)")
         check(self.bandwidth_bytes_per_s > 0, "bandwidth_bytes_per_s", "must be > 0", "write bytes/s, e.g. 450.0e9")
         check(self.latency_s >= 0, "latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
-        check(0 < self.efficiency <= 1, "efficiency", f"must be in (0, 1], got {self.efficiency}", "use a fraction")
+        check(0 < self.efficiency <= 2, "efficiency", f"must be in (0, 2], got {self.efficiency}",
+              "use busbw / link bandwidth (above 1 only for in-switch reduction, NVLS)")
         for name, value in self.collective_efficiency.items():
             check(name in COLLECTIVES, f"collective_efficiency.{name}", "unknown collective",
                   f"use one of {', '.join(COLLECTIVES)}")
-            check(0 < value <= 1, f"collective_efficiency.{name}", f"must be in (0, 1], got {value}", "use a fraction")
+            check(0 < value <= 2, f"collective_efficiency.{name}", f"must be in (0, 2], got {value}",
+                  "use busbw / link bandwidth (above 1 only for in-switch reduction, NVLS)")
 
     def efficiency_of(self, collective: str) -> float:
         return self.collective_efficiency.get(collective, self.efficiency)
