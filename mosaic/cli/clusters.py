@@ -11,7 +11,7 @@ from perfmodel.clusters import bundled_cluster_paths, load_cluster
 from perfmodel.specs.strict import spec_to_dict
 
 
-def _plain(text: object) -> str:
+def _escape(text: object) -> str:
     """Source text for a rich cell: citation keys like [verl] are not markup."""
     return escape(str(text))
 
@@ -55,7 +55,7 @@ def clusters(json_output: bool = typer.Option(False, "--json", help="Print JSON 
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(row["name"], row["accelerator"], str(row["devices"]), _peaks(row["peak_flops_per_s"]),
-                      f"{row['hbm_gb']:.3g}", "\n".join(row["levels"]), _plain(row["peak_source"]))
+                      f"{row['hbm_gb']:.3g}", "\n".join(row["levels"]), _escape(row["peak_source"]))
     console.print(table)
 
 
@@ -70,36 +70,36 @@ def show_cluster(
         print_json(spec_to_dict(spec))
         return
     acc = spec.accelerator
-    console.print(f"[bold]{_plain(spec.name)}[/bold]: {_plain(spec.description)}")
+    console.print(f"[bold]{_escape(spec.name)}[/bold]: {_escape(spec.description)}")
     cores = f", sized from this host: {spec.host_cores} cores shared by the ranks" if spec.size_from_host else ""
     console.print(f"devices: {spec.devices} (default job size and upper bound{cores})   "
                   f"content hash: {spec.content_hash()}")
-    table = Table(title=f"accelerator: {_plain(acc.name)}", show_lines=True)
+    table = Table(title=f"accelerator: {_escape(acc.name)}", show_lines=True)
     table.add_column("figure")
     table.add_column("value")
     table.add_column("source", overflow="fold")
-    table.add_row("peak (dense)", _peaks(acc.peak_flops_per_s), _plain(acc.sources["peak_flops_per_s"]))
-    table.add_row("HBM", f"{acc.hbm_bytes / 1e9:.3g} GB (usable {acc.usable_hbm_bytes / 1e9:.3g})", _plain(acc.sources["hbm_bytes"]))
-    table.add_row("HBM bandwidth", _bytes_per_s(acc.hbm_bandwidth_bytes_per_s), _plain(acc.sources["hbm_bandwidth_bytes_per_s"]))
-    table.add_row("launch latency", f"{acc.launch_latency_s * 1e6:.1f} us", _plain(acc.sources["launch_latency_s"]))
+    table.add_row("peak (dense)", _peaks(acc.peak_flops_per_s), _escape(acc.sources["peak_flops_per_s"]))
+    table.add_row("HBM", f"{acc.hbm_bytes / 1e9:.3g} GB (usable {acc.usable_hbm_bytes / 1e9:.3g})", _escape(acc.sources["hbm_bytes"]))
+    table.add_row("HBM bandwidth", _bytes_per_s(acc.hbm_bandwidth_bytes_per_s), _escape(acc.sources["hbm_bandwidth_bytes_per_s"]))
+    table.add_row("launch latency", f"{acc.launch_latency_s * 1e6:.1f} us", _escape(acc.sources["launch_latency_s"]))
     for precision, curve in acc.compute_efficiency.items():
-        table.add_row(f"GEMM efficiency {precision}", f"max {curve.max_value:.1%}", _plain(curve.source))
-    table.add_row("memory efficiency", f"max {acc.memory_efficiency.max_value:.0%}", _plain(acc.memory_efficiency.source))
+        table.add_row(f"GEMM efficiency {precision}", f"max {curve.max_value:.1%}", _escape(curve.source))
+    table.add_row("memory efficiency", f"max {acc.memory_efficiency.max_value:.0%}", _escape(acc.memory_efficiency.source))
     console.print(table)
     fabric = Table(title="fabric levels (innermost first)", show_lines=True)
     for column in ("level", "devices", "GB/s per device (uni)", "latency us", "efficiency", "source"):
         fabric.add_column(column, overflow="fold")
     for lvl in spec.levels:
         eff = "\n".join([f"default {lvl.efficiency:.2f}"] + [f"{k} {v:.2f}" for k, v in lvl.collective_efficiency.items()])
-        fabric.add_row(_plain(lvl.name), str(lvl.devices), f"{lvl.bandwidth_bytes_per_s / 1e9:g}", f"{lvl.latency_s * 1e6:.1f}",
-                       eff, _plain(lvl.source))
+        fabric.add_row(_escape(lvl.name), str(lvl.devices), f"{lvl.bandwidth_bytes_per_s / 1e9:g}", f"{lvl.latency_s * 1e6:.1f}",
+                       eff, _escape(lvl.source))
     console.print(fabric)
     gp = spec.goodput
     goodput = f"eta {gp.eta}" if gp.eta is not None else f"node MTBF {gp.node_mtbf_hours:g} h, checkpoint {gp.checkpoint_s:g} s, restart {gp.restart_s:g} s"
-    console.print(f"goodput: {goodput} — {_plain(gp.source)}")
+    console.print(f"goodput: {goodput} — {_escape(gp.source)}")
     ov = spec.overlap
-    console.print(f"overlap (hideable fraction): tp {ov.tp}, ep {ov.ep}, dp {ov.dp}, pp {ov.pp} — {_plain(ov.source)}")
-    console.print(f"straggler cv: {spec.straggler.cv} — {_plain(spec.straggler.source)}")
-    console.print(f"framework overhead: {spec.framework_overhead_bytes / 1e9:.1f} GB — {_plain(spec.framework_overhead_source)}")
+    console.print(f"overlap (hideable fraction): tp {ov.tp}, ep {ov.ep}, dp {ov.dp}, pp {ov.pp} — {_escape(ov.source)}")
+    console.print(f"straggler cv: {spec.straggler.cv} — {_escape(spec.straggler.source)}")
+    console.print(f"framework overhead: {spec.framework_overhead_bytes / 1e9:.1f} GB — {_escape(spec.framework_overhead_source)}")
     if spec.calibration:
-        console.print(f"calibration: {_plain(spec.calibration.get('provenance', spec.calibration))}")
+        console.print(f"calibration: {_escape(spec.calibration.get('provenance', spec.calibration))}")

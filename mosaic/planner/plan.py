@@ -33,7 +33,7 @@ from perfmodel.specs.architecture import (
     total_params,
 )
 from perfmodel.specs.layout import LAYOUT_FIELDS, ParallelLayout
-from perfmodel.specs.strict import write_yaml_atomic
+from perfmodel.specs.strict import plain, write_yaml_atomic
 
 PLAN_VERSION = 1
 SOLVERS = ("enumerate", "scip", "bonmin", "mindtpy")
@@ -271,20 +271,20 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
         "model": {name: getattr(chosen.arch, name) for name in ARCH_FIELDS},
         "tokens": float(chosen.tokens),
         "layout": layout_dict(chosen.layout),
-        "predicted": _plain(chosen.predicted),
-        "derived": _plain({k: v for k, v in model_dict(chosen.arch).items() if k not in ARCH_FIELDS}),
-        "compute_optimal": _plain(result.compute_optimal.as_dict()),
-        "binding": _plain(result.binding),
-        "alternatives": [_plain(a.as_dict()) for a in result.alternatives],
-        "search": _plain(result.search),
-        **({"analysis": _plain(result.extra)} if result.extra else {}),
+        "predicted": plain(chosen.predicted),
+        "derived": plain({k: v for k, v in model_dict(chosen.arch).items() if k not in ARCH_FIELDS}),
+        "compute_optimal": plain(result.compute_optimal.as_dict()),
+        "binding": plain(result.binding),
+        "alternatives": [plain(a.as_dict()) for a in result.alternatives],
+        "search": plain(result.search),
+        **({"analysis": plain(result.extra)} if result.extra else {}),
     }
 
 
 def result_to_json(result: PlanResult) -> dict[str, Any]:
     """The `--json` payload: {"cluster_optimal", "compute_optimal", "alternatives", ...}."""
     p = result.problem
-    return _plain({
+    return plain({
         "cluster_optimal": result.cluster_optimal.as_dict(),
         "compute_optimal": result.compute_optimal.as_dict(),
         "alternatives": [a.as_dict() for a in result.alternatives],
@@ -295,19 +295,6 @@ def result_to_json(result: PlanResult) -> dict[str, Any]:
         "search": result.search,
         **({"analysis": result.extra} if result.extra else {}),
     })
-
-
-def _plain(obj: Any) -> Any:
-    """YAML/JSON-safe: numpy scalars to Python, non-finite floats to None."""
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if hasattr(obj, "item") and callable(obj.item):
-        obj = obj.item()
-    if isinstance(obj, float) and not np.isfinite(obj):
-        return None
-    return obj
 
 
 def write_plan(path: str, result: PlanResult) -> None:
