@@ -41,10 +41,6 @@ _CUDA_CLUSTERS = (("GB300", "gb300_nvl72"), ("GB200", "gb200_nvl72"), ("B300", "
                   ("H200", "h200"), ("H800", "h800"), ("H100", "h100"), ("A100", "a100_80gb"), ("MI300", "mi300x"))
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def _default_cluster(device: str) -> str:
     if device == "cpu":
         return "cpu_local"
@@ -65,6 +61,8 @@ def _check_device(device: str, ranks: int) -> None:
         return
     import torch
 
+    from calibration.run import under_torchrun
+
     if device == "npu":
         try:
             import torch_npu  # noqa: F401
@@ -74,7 +72,7 @@ def _check_device(device: str, ranks: int) -> None:
     count = module.device_count() if module.is_available() else 0
     if count == 0:
         raise InputError(f"--device {device}: no {device} device is visible here; use --device cpu or run on a {device} machine")
-    if not _under_torchrun() and ranks > count:
+    if not under_torchrun() and ranks > count:
         raise InputError(f"--device {device}: {ranks} ranks but {count} devices on this machine; launch across nodes "
                          "with your own torchrun (each rank runs `mosaic train`) or lower the world size")
 
@@ -108,7 +106,9 @@ def build_config(*, plan: Optional[Path], model: Optional[Path], layout: Optiona
         arch, lay = load_model_file(model), parse_layout(layout)
     if nproc is not None and nproc < 1:
         raise InputError(f"--nproc {nproc}: must be >= 1")
-    if nproc is None and _under_torchrun():
+    from calibration.run import under_torchrun  # the one torchrun-environment rule (scipy-heavy: imported here)
+
+    if nproc is None and under_torchrun():
         nproc = int(os.environ["WORLD_SIZE"])  # launched by the user's own torchrun (multi-node, Slurm)
     if nproc is not None:
         devices = nproc
@@ -144,7 +144,9 @@ def prepare_out_dir(config: RunConfig) -> Path:
 
 def launch(config: RunConfig, run_yaml: Path) -> None:
     """torchrun for world > 1 (unless already under it); one process trains in place."""
-    if _under_torchrun() or config.world_size == 1:
+    from calibration.run import under_torchrun
+
+    if under_torchrun() or config.world_size == 1:
         from mosaic.trainer.train import run
 
         run(config)
