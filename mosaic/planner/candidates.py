@@ -99,6 +99,15 @@ class GeometryResults:
         return GeometryResults(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
                                   for f in dataclasses.fields(GeometryResults)})
 
+    @staticmethod
+    def empty() -> GeometryResults:
+        return GeometryResults(**{f.name: np.zeros(0) for f in dataclasses.fields(GeometryResults)})
+
+    def take(self, index: np.ndarray) -> GeometryResults:
+        """The geometries at positions `index` (an integer array)."""
+        return GeometryResults(**{f.name: np.asarray(getattr(self, f.name))[index]
+                                  for f in dataclasses.fields(GeometryResults)})
+
 
 class PairEvaluator:
     """Evaluates chunks of geometries against a fixed layout grid on one cluster and device count."""

@@ -41,7 +41,8 @@ import numpy as np
 import perfmodel
 from mosaic.planner import law as lawmod
 from mosaic.planner.candidates import GeometryResults
-from mosaic.planner.enumerate import Problem, Ranked
+from mosaic.planner.enumerate import Ranked
+from mosaic.planner.problem import Problem
 from perfmodel.errors import SolverError
 
 D_SCALE = 1.0e12
@@ -373,7 +374,7 @@ def presolve_geometries(problem: Problem, incumbent_geometries: int = 64) -> tup
 def _ranked_from_table(problem: Problem, table: PairTable, first: Optional[PairTable]) -> Ranked:
     """Best feasible pair per geometry ranked by loss; the solver's choice (if any) first."""
     if len(table) == 0:
-        empty = GeometryResults(**{k: np.zeros(0) for k in GeometryResults.__dataclass_fields__})
+        empty = GeometryResults.empty()
         return Ranked(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0), empty, 0, 0, len(problem.geoms))
     order = np.lexsort((-table.tokens_per_s, table.geometry))
     t = table.take(order)

@@ -20,7 +20,8 @@ import numpy as np
 import perfmodel
 from mosaic import __version__
 from mosaic.planner import law as lawmod
-from mosaic.planner.enumerate import Problem, Ranked, rank_cluster_optimal, rank_compute_optimal
+from mosaic.planner.enumerate import Ranked, rank_cluster_optimal, rank_compute_optimal
+from mosaic.planner.problem import Problem
 from perfmodel.errors import InfeasibleError, InputError
 from perfmodel.specs.architecture import (
     ARCH_FIELDS,

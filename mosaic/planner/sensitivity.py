@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from mosaic.planner.budget import Budget
-from mosaic.planner.enumerate import Problem, rank_cluster_optimal
+from mosaic.planner.enumerate import rank_cluster_optimal
 from mosaic.planner.law import law_inputs
 from mosaic.planner.plan import Choice, PlanResult
+from mosaic.planner.problem import make_problem
 from perfmodel.errors import InfeasibleError
 from perfmodel.specs.cluster import ClusterSpec
 
@@ -56,7 +57,7 @@ def sensitivity_table(result: PlanResult) -> list[dict[str, Any]]:
                 cluster = scale_bandwidth(cluster, f)
             else:
                 cluster = scale_hbm(cluster, f)
-            problem = Problem(cluster, budget, base.space, base.law)
+            problem = make_problem(cluster, budget, base.space, base.law)
             ranked = rank_cluster_optimal(problem, top=1)
             change = f"{what} x{f:g}"
             if len(ranked.loss) == 0 or not np.isfinite(ranked.loss[0]):

@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mosaic.planner import build_problem
-from mosaic.planner.enumerate import Problem, Ranked, rank_cluster_optimal, rank_compute_optimal
+from mosaic.planner.enumerate import Ranked, rank_cluster_optimal, rank_compute_optimal
+from mosaic.planner.problem import Problem, build_problem
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import active_params, expert_sparsity, granularity, sparsity, total_params
 from perfmodel.specs.strict import save_figure_atomic

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import yaml
@@ -111,6 +113,10 @@ def test_trainer_reads_the_plan_file(result, tmp_path):
     assert arch == result.cluster_optimal.arch and layout == result.cluster_optimal.layout and cluster == "h100"
 
 
+def _with_law(result, law):
+    return dataclasses.replace(result, problem=dataclasses.replace(result.problem, law=law))
+
+
 def test_bootstrap_probability_that_the_plan_beats_the_runner_up(result, planted_law_cls):
     class Boot(planted_law_cls):
         """Bootstrap samples: the planted parameters with b scaled by `scales`."""
@@ -125,14 +131,13 @@ def test_bootstrap_probability_that_the_plan_beats_the_runner_up(result, planted
             d_term = self.params["b"] / np.asarray(tokens, dtype=float) ** self.params["beta"]
             return base + (self.scales - 1.0)[:, None] * np.atleast_1d(d_term)[None, :]
 
-    result.problem.law = Boot([1.0] * 20)  # every sample is the point fit: the plan always wins
-    out = bootstrap_comparison(result)
+    # every sample is the point fit: the plan always wins
+    out = bootstrap_comparison(_with_law(result, Boot([1.0] * 20)))
     assert out["p_beats_runner_up"] == 1.0 and out["samples"] == 20
     lo, hi = out["loss_interval_90"]
     assert lo == pytest.approx(hi) == pytest.approx(result.cluster_optimal.predicted["loss"])
     scales = np.linspace(0.0, 3.0, 41)
-    result.problem.law = Boot(scales)
-    p = bootstrap_comparison(result)["p_beats_runner_up"]
+    p = bootstrap_comparison(_with_law(result, Boot(scales)))["p_beats_runner_up"]
     best, runner = result.cluster_optimal, result.alternatives[0]
     law = planted_law_cls()
 
