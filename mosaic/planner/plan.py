@@ -17,7 +17,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-import perfmodel
 from mosaic import __version__
 from mosaic.planner import law as lawmod
 from mosaic.planner.enumerate import Ranked, rank_cluster_optimal, rank_compute_optimal
@@ -84,17 +83,12 @@ class PlanResult:
     """Sensitivity and bootstrap results when asked for."""
 
 
-def _evaluate_row(problem: Problem, arch: MoEArchitecture, layout: ParallelLayout) -> dict[str, Any]:
-    res = perfmodel.evaluate(arch, layout, problem.cluster, problem.budget.devices)
-    return res.row(0)
-
-
-def predicted_for(problem: Problem, arch: MoEArchitecture, layout: ParallelLayout, tokens: Optional[float] = None) -> dict[str, Any]:
-    """`mosaic predict` keys plus loss, tokens, wall time, model and deliverable FLOPs, goodput."""
-    row = _evaluate_row(problem, arch, layout)
+def predicted_from(problem: Problem, arch: MoEArchitecture, layout: ParallelLayout,
+                   row: dict[str, Any]) -> dict[str, Any]:
+    """`mosaic predict` keys (`row`: the search's `EvalResult.row` of this pair) plus loss, tokens,
+    wall time, model and deliverable FLOPs, goodput; tokens D = tokens/s x eta_good x wall time."""
     wall = problem.budget.wall_time_s
-    tokens_budget = float(problem.tokens_in_budget(row["tokens_per_s"] or 0.0)) if row["feasible"] else 0.0
-    tokens = tokens_budget if tokens is None else float(tokens)
+    tokens = float(problem.tokens_in_budget(row["tokens_per_s"] or 0.0)) if row["feasible"] else 0.0
     fpt = float(model_flops_per_token(arch))
     peak = problem.cluster.accelerator.peak(layout.precision)
     deliverable = problem.budget.devices * peak * (row["mfu"] or 0.0) * problem.eta * wall
@@ -120,7 +114,7 @@ def _choice_from_ranked(problem: Problem, ranked: Ranked, i: int) -> Choice:
     assert res is not None
     layout = problem.evaluator.layout(res.best_layout[i], res.best_gbs[i])
     arch = _geometry(problem, g)
-    return Choice(arch, layout, float(ranked.tokens[i]), predicted_for(problem, arch, layout))
+    return Choice(arch, layout, float(ranked.tokens[i]), predicted_from(problem, arch, layout, res.evaluation(i)))
 
 
 def compute_optimal_choice(problem: Problem, co: Ranked) -> Choice:
@@ -142,7 +136,7 @@ def compute_optimal_choice(problem: Problem, co: Ranked) -> Choice:
     layout = None
     if res.best_layout[0] >= 0:
         layout = problem.evaluator.layout(res.best_layout[0], res.best_gbs[0])
-        real = predicted_for(problem, arch, layout)
+        real = predicted_from(problem, arch, layout, res.evaluation(0))
         tokens_per_s = real["tokens_per_s"]
         days_needed = tokens / (tokens_per_s * problem.eta) / 86400.0
         on_cluster = {
@@ -303,7 +297,7 @@ def write_plan(path: str, result: PlanResult) -> None:
 
 
 __all__ = ["PLAN_VERSION", "SOLVERS", "Choice", "PlanResult", "layout_dict", "model_dict", "plan_to_dict",
-           "predicted_for", "result_to_json", "solve", "write_plan"]
+           "predicted_from", "result_to_json", "solve", "write_plan"]
 
 
 def load_plan(path: str) -> tuple[MoEArchitecture, ParallelLayout, dict[str, Any]]:

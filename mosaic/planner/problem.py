@@ -13,6 +13,7 @@ its cached per-geometry layout search (`Problem.evaluate`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -52,8 +53,9 @@ class Problem:
     prune: bool = True
     cluster_file: Optional[str] = None
     """Absolute path of the cluster YAML when it is not a bundled one (recorded in the plan)."""
-    _cache: dict[int, GeometryResults] = field(default_factory=dict, repr=False, compare=False)
-    """Layout-search results per geometry index (sweeps and both budgets reuse them)."""
+    _cache: dict[int, tuple[GeometryResults, int]] = field(default_factory=dict, repr=False, compare=False)
+    """Geometry index -> (the search chunk's results, its position there); sweeps and both
+    budgets reuse them."""
 
     # -- figures shared by every solver -------------------------------------------------
     def tokens_in_budget(self, tokens_per_s: Any) -> np.ndarray:
@@ -105,10 +107,15 @@ class Problem:
                 parts = [self.evaluator.run(c, progress) for c in chunks]
             for part in parts:
                 for j, g in enumerate(part.index):
-                    self._cache[int(g)] = part.take(np.asarray([j]))
+                    self._cache[int(g)] = (part, j)
         if not len(index):
             return GeometryResults.empty()
-        return GeometryResults.concat([self._cache[int(i)] for i in index])
+        entries = [self._cache[int(i)] for i in index]
+        pieces = []
+        for _, run in itertools.groupby(entries, key=lambda entry: id(entry[0])):  # runs from one chunk
+            run = list(run)
+            pieces.append(run[0][0].take(np.asarray([j for _, j in run], dtype=np.int64)))
+        return pieces[0] if len(pieces) == 1 else GeometryResults.concat(pieces)
 
 
 _WORKER: dict[str, PairEvaluator] = {}

@@ -163,3 +163,17 @@ def test_plan_from_a_cluster_file_records_it_for_the_trainer(law, space, tmp_pat
     assert trainer_load_plan(path)[2] == str(site.resolve())
     site.unlink()  # moved away: the trainer falls back to the recorded name
     assert trainer_load_plan(path)[2] == "h100_site"
+
+
+def test_choices_carry_the_search_evaluation_of_their_pair(result, monkeypatch):
+    """Each chosen pair's predictions are the search's own evaluate row, equal to a fresh evaluate."""
+    import perfmodel
+
+    fresh = [perfmodel.evaluate(c.arch, c.layout, result.problem.cluster, result.problem.budget.devices).row(0)
+             for c in [result.cluster_optimal, *result.alternatives]]
+    for choice, row in zip([result.cluster_optimal, *result.alternatives], fresh):
+        assert {k: choice.predicted[k] for k in row} == row
+    calls = []
+    monkeypatch.setattr(perfmodel, "evaluate", lambda *a, **k: calls.append(a) or pytest.fail("evaluated again"))
+    solve(result.problem, top=3)  # the problem's search is cached: nothing is evaluated again
+    assert calls == []
