@@ -30,11 +30,10 @@ from typing import Any, Optional
 import numpy as np
 
 import perfmodel
-from mosaic.planner.space import global_batch
 from perfmodel.memory import MEMORY_COMPONENTS, stage_memory
 from perfmodel.specs.architecture import ArchBatch
 from perfmodel.specs.cluster import ClusterSpec
-from perfmodel.specs.layout import LAYOUT_FIELDS, RECOMPUTE_MODES, LayoutBatch
+from perfmodel.specs.layout import LAYOUT_FIELDS, RECOMPUTE_MODES, LayoutBatch, gbs_holding_tokens
 from perfmodel.validity import valid_mask
 
 REASONS = perfmodel.REASONS
@@ -174,7 +173,7 @@ class PairEvaluator:
         lay_i = np.tile(np.arange(n_l), len(geo_index))
         archs = self.archs.take(g)
         lays = self.grid.take(lay_i)
-        lays = dataclasses.replace(lays, gbs=global_batch(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
+        lays = dataclasses.replace(lays, gbs=gbs_holding_tokens(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
         return archs, lays, g, lay_i
 
     def run(self, geo_index: np.ndarray, progress: Optional[ProgressFn] = None) -> GeometryResults:
