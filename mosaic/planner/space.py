@@ -26,7 +26,7 @@ import numpy as np
 
 from perfmodel import layouts as perfmodel_layouts
 from perfmodel.errors import InputError
-from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, active_params
+from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
 from perfmodel.specs.layout import DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
 from perfmodel.specs.strict import check, load_spec, spec_from_dict
 
@@ -267,6 +267,16 @@ def geometries(resolved: ResolvedSpace) -> GeometrySet:
     return GeometrySet(archs.take(keep), gran[keep])
 
 
+def geometry_label(arch: MoEArchitecture) -> str:
+    """Short human form of a geometry, words split only at spaces: ``L32 h4096 E64 k2 d_expert1024 Es1``
+    (Es when shared experts exist), ``L32 h4096 dense`` for a dense model."""
+    text = f"L{arch.n_layers} h{arch.d_model}"
+    if not arch.n_experts:
+        return f"{text} dense"
+    text += f" E{arch.n_experts} k{arch.top_k} d_expert{arch.d_expert}"
+    return text + (f" Es{arch.n_shared_experts}" if arch.n_shared_experts else "")
+
+
 # ---------------------------------------------------------------------------
 # Layout grid.
 
@@ -284,6 +294,6 @@ def layout_grid(resolved: ResolvedSpace, devices: int) -> LayoutBatch:
 
 __all__ = [
     "ComputeOptimalSpec", "GeometrySet", "GeometrySpace", "LayoutSpace", "ResolvedSpace", "SearchSpace",
-    "default_space_path", "geometries", "layout_grid", "load_space", "resolve_space",
+    "default_space_path", "geometries", "geometry_label", "layout_grid", "load_space", "resolve_space",
     "space_from_dict",
 ]

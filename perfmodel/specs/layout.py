@@ -107,6 +107,27 @@ class ParallelLayout:
         gbs = default_gbs_of_layout(self.mbs, dp, self.pp) if self.gbs is None else self.gbs
         return dataclasses.replace(self, dp=dp, gbs=gbs)
 
+    def label(self) -> str:
+        """Short human form for tables and plots, words split only at spaces:
+        ``tp2 pp4x2 ep8 dp8 zero1 mbs1 gbs512 rc=selective sp bf16`` (x2: vpp; etp and cp when > 1,
+        recompute and sequence parallel when on). `to_string` is the parseable form."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else ""), f"ep{self.ep}"]
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.dp is not None:
+            parts.append(f"dp{self.dp}")
+        parts += [self.dp_flavor, f"mbs{self.mbs}"]
+        if self.gbs is not None:
+            parts.append(f"gbs{self.gbs}")
+        if self.recompute != "none":
+            parts.append(f"rc={self.recompute}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(self.precision)
+        return " ".join(parts)
+
     def to_string(self) -> str:
         """Compact form, every field named (inverse of `parse_layout`)."""
         parts = []
