@@ -20,14 +20,14 @@ from typing import Optional
 import typer
 
 from mosaic import __version__
-from mosaic.cli.common import cli_errors, console
+from mosaic.cli.common import cli_errors, console, err_console
+from mosaic.planfile import Plan, cluster_of, read_plan
 from mosaic.trainer.config import (
     DEVICES,
     RunConfig,
     TrainOptions,
     check_runnable,
     load_model_file,
-    load_plan,
     load_run_config,
     same_run,
     trainer_precision,
@@ -95,11 +95,12 @@ def build_config(*, plan: Optional[Path], model: Optional[Path], layout: Optiona
         raise InputError(f"--device {device!r}: use one of {', '.join(DEVICES)}")
     if (plan is None) == (model is None):
         raise InputError("give either --plan plan.yaml or --model model.yaml with --layout")
-    plan_cluster = None
+    loaded: Optional[Plan] = None
     if plan is not None:
         if layout is not None:
             raise InputError("--layout comes from the plan; leave it out with --plan")
-        arch, lay, plan_cluster = load_plan(plan)
+        loaded = read_plan(plan)
+        arch, lay = loaded.model, loaded.layout
     else:
         if layout is None:
             raise InputError("--model needs --layout, e.g. --layout 'dp=2,ep=2,mbs=2,gbs=8'")
@@ -119,8 +120,14 @@ def build_config(*, plan: Optional[Path], model: Optional[Path], layout: Optiona
     resolved = check_runnable(arch, lay, devices)
     precision = trainer_precision(resolved, device)
     _check_device(device, devices)
-    cluster_name = cluster or plan_cluster or _default_cluster(device)
-    spec = load_cluster(cluster_name)
+    if cluster is None and loaded is not None and loaded.cluster is not None:
+        cluster_name = loaded.cluster.source()  # the plan file's one rule: its file while it exists, else its name
+        spec, drift = cluster_of(loaded)
+        if drift and int(os.environ.get("RANK", "0")) == 0:
+            err_console.print(f"warning: {drift}", markup=False, highlight=False, soft_wrap=True)
+    else:
+        cluster_name = cluster or _default_cluster(device)
+        spec = load_cluster(cluster_name)
     spec.accelerator.peak(precision)  # the cluster must know the compute precision's peak
     train = from_mapping(TrainOptions, options)
     return RunConfig(model=arch, layout=resolved, cluster=cluster_name, device=device, world_size=devices,

@@ -4,8 +4,8 @@
 cluster-optimal (fixed deliverable compute, memory enforced), compute-optimal
 (fixed C_model at the nominal MFU, systems ignored) with what that choice
 really costs on this cluster, the top alternatives, and the binding
-constraint. `plan_to_dict` / `write_plan` give the plan YAML (version 1) that
-`mosaic train --plan` reads (`model` and `layout` are the spec keys).
+constraint. `PlanResult.to_plan()` is the plan file's content (`mosaic.planfile`):
+the cluster-optimal choice as model, layout and tokens, the rest as its report.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, Optional
 import numpy as np
 
 from mosaic import __version__
+from mosaic.planfile import Plan, PlanBudget, PlanCluster, PlanFit
 from mosaic.planner import law as lawmod
 from mosaic.planner.enumerate import Ranked, rank_cluster_optimal, rank_compute_optimal
 from mosaic.planner.problem import Problem
@@ -33,9 +34,8 @@ from perfmodel.specs.architecture import (
     total_params,
 )
 from perfmodel.specs.layout import LAYOUT_FIELDS, ParallelLayout
-from perfmodel.specs.strict import plain, write_yaml_atomic
+from perfmodel.specs.strict import plain
 
-PLAN_VERSION = 1
 SOLVERS = ("enumerate", "scip", "bonmin", "mindtpy")
 MEMORY_TIGHT = 0.05
 """Headroom below which the plan's own memory is reported as binding too."""
@@ -81,6 +81,27 @@ class PlanResult:
     search: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
     """Sensitivity and bootstrap results when asked for."""
+
+    def to_plan(self) -> Plan:
+        """The plan file's content: the cluster-optimal choice, its cluster, fit and budget, and
+        the report (predictions, derived sizes, the compute-optimal side, binding constraint,
+        alternatives, search statistics, analysis)."""
+        p = self.problem
+        chosen = self.cluster_optimal
+        report = {
+            "predicted": chosen.predicted,
+            "derived": {k: v for k, v in model_dict(chosen.arch).items() if k not in ARCH_FIELDS},
+            "compute_optimal": self.compute_optimal.as_dict(),
+            "binding": self.binding,
+            "alternatives": [a.as_dict() for a in self.alternatives],
+            "search": self.search,
+            **({"analysis": self.extra} if self.extra else {}),
+        }
+        return Plan(model=chosen.arch, layout=chosen.layout, budget=PlanBudget(**p.budget.as_dict()),
+                    tokens=float(chosen.tokens),
+                    cluster=PlanCluster(name=p.cluster.name, hash=p.cluster.content_hash(), file=p.cluster_file),
+                    fit=PlanFit(name=getattr(p.law, "name", "law"), hash=p.law.content_hash()),
+                    tool_version=__version__, report=plain(report))
 
 
 def predicted_from(problem: Problem, arch: MoEArchitecture, layout: ParallelLayout,
@@ -249,66 +270,4 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
     return PlanResult(problem, chosen, co_choice, alternatives, binding, search)
 
 
-# ---------------------------------------------------------------------------
-# The plan file.
-
-def plan_to_dict(result: PlanResult) -> dict[str, Any]:
-    p = result.problem
-    law = p.law
-    chosen = result.cluster_optimal
-    return {
-        "version": PLAN_VERSION,
-        "tool_version": __version__,
-        "cluster": {"name": p.cluster.name, "hash": p.cluster.content_hash(),
-                    **({"file": p.cluster_file} if p.cluster_file else {})},
-        "fit": {"name": getattr(law, "name", "law"), "hash": law.content_hash()},
-        "budget": p.budget.as_dict(),
-        "model": {name: getattr(chosen.arch, name) for name in ARCH_FIELDS},
-        "tokens": float(chosen.tokens),
-        "layout": layout_dict(chosen.layout),
-        "predicted": plain(chosen.predicted),
-        "derived": plain({k: v for k, v in model_dict(chosen.arch).items() if k not in ARCH_FIELDS}),
-        "compute_optimal": plain(result.compute_optimal.as_dict()),
-        "binding": plain(result.binding),
-        "alternatives": [plain(a.as_dict()) for a in result.alternatives],
-        "search": plain(result.search),
-        **({"analysis": plain(result.extra)} if result.extra else {}),
-    }
-
-
-def result_to_json(result: PlanResult) -> dict[str, Any]:
-    """The `--json` payload: {"cluster_optimal", "compute_optimal", "alternatives", ...}."""
-    p = result.problem
-    return plain({
-        "cluster_optimal": result.cluster_optimal.as_dict(),
-        "compute_optimal": result.compute_optimal.as_dict(),
-        "alternatives": [a.as_dict() for a in result.alternatives],
-        "binding": result.binding,
-        "budget": p.budget.as_dict(),
-        "cluster": {"name": p.cluster.name, "hash": p.cluster.content_hash()},
-        "fit": {"name": getattr(p.law, "name", "law"), "hash": p.law.content_hash()},
-        "search": result.search,
-        **({"analysis": result.extra} if result.extra else {}),
-    })
-
-
-def write_plan(path: str, result: PlanResult) -> None:
-    write_yaml_atomic(path, plan_to_dict(result))
-
-
-__all__ = ["PLAN_VERSION", "SOLVERS", "Choice", "PlanResult", "layout_dict", "model_dict", "plan_to_dict",
-           "predicted_from", "result_to_json", "solve", "write_plan"]
-
-
-def load_plan(path: str) -> tuple[MoEArchitecture, ParallelLayout, dict[str, Any]]:
-    """Read a plan file: (model, layout, the whole mapping). Strict on `model` and `layout`."""
-    from perfmodel.specs.strict import read_yaml, section_from_mapping
-
-    data = read_yaml(path)
-    if data.get("version") != PLAN_VERSION:
-        raise InputError(f"{path}: key 'version': {data.get('version')!r} is not supported; this MOSAIC reads "
-                         f"plan version {PLAN_VERSION}")
-    fix = "write the plan with `mosaic plan -o`"
-    arch = section_from_mapping(MoEArchitecture, data, "model", str(path), fix)
-    layout = section_from_mapping(ParallelLayout, data, "layout", str(path), fix)
-    return arch, layout, data
+__all__ = ["SOLVERS", "Choice", "PlanResult", "layout_dict", "model_dict", "predicted_from", "solve"]

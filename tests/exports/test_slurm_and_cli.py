@@ -11,7 +11,8 @@ import typer.main
 from typer.testing import CliRunner
 
 from mosaic.cli.app import app
-from mosaic.exports import plan_from_dict, read_plan, render
+from mosaic.exports import render
+from mosaic.planfile import plan_from_dict, read_plan
 from perfmodel.errors import InputError
 from tests.exports._plans import EXAMPLE, example_dict, run_script, variant, write_plan
 from tests.exports.upstream_options import SBATCH_OPTIONS, SRUN_OPTIONS, TORCHRUN_OPTIONS
