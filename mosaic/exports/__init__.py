@@ -15,7 +15,7 @@ from mosaic.exports.mindspeed import render_mindspeed
 from mosaic.exports.slurm import render_slurm
 from mosaic.exports.torchtitan import model_differences, render_torchtitan
 from mosaic.planfile import Plan, cluster_of
-from perfmodel.errors import InputError
+from perfmodel.errors import InputError, Param
 
 FORMATS = {
     "megatron": render_megatron,
@@ -30,7 +30,7 @@ EXECUTABLE = {"megatron": True, "mindspeed": True, "torchtitan": False, "slurm":
 
 def render(plan: Plan, fmt: str, gpus_per_node: Optional[int] = None) -> str:
     if fmt not in FORMATS:
-        raise InputError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+        raise InputError(Param("fmt", fmt), f": use one of {', '.join(FORMATS)}")
     return FORMATS[fmt](plan, gpus_per_node)
 
 

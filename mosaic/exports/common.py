@@ -9,7 +9,7 @@ from typing import Optional
 
 from mosaic import __version__
 from mosaic.planfile import Plan, cluster_of
-from perfmodel.errors import InputError
+from perfmodel.errors import InputError, Param
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,16 @@ def node_shape(plan: Plan, gpus_per_node: Optional[int] = None) -> NodeShape:
     """Nodes and devices per node: `gpus_per_node` if given, else the plan cluster's node level
     (the cluster by the plan file's one rule, `mosaic.planfile.cluster_of`)."""
     if gpus_per_node is not None and gpus_per_node < 1:
-        raise InputError(f"--gpus-per-node {gpus_per_node}: must be >= 1")
+        raise InputError(Param("gpus_per_node", gpus_per_node), ": must be >= 1")
     device = "cuda"
     per_node = gpus_per_node
-    note = f"--gpus-per-node {gpus_per_node}"
+    note = "as requested"
     if plan.cluster is not None:
         try:
             cluster, drift = cluster_of(plan)
         except InputError as exc:
             if gpus_per_node is None:
-                raise InputError(f"{exc}; or pass --gpus-per-node N") from None
+                raise InputError(*exc.parts, "; or pass ", Param("gpus_per_node", "N", placeholder=True)) from None
         else:
             device = device_kind(cluster.accelerator.name)
             if per_node is None:
@@ -57,12 +57,13 @@ def node_shape(plan: Plan, gpus_per_node: Optional[int] = None) -> NodeShape:
                 if drift:
                     note += f"; NOTE {drift}"
     if per_node is None:
-        raise InputError(f"{plan.source}: the plan names no cluster; pass --gpus-per-node N (devices per node)")
+        raise InputError(f"{plan.source}: the plan names no cluster; pass ", Param("gpus_per_node", "N", placeholder=True),
+                         " (devices per node)")
     if plan.devices <= per_node:
         return NodeShape(nodes=1, per_node=plan.devices, device=device, note=note)
     if plan.devices % per_node != 0:
         raise InputError(f"{plan.source}: key 'budget.devices': {plan.devices} devices do not fill whole nodes of "
-                         f"{per_node} ({note}); pass --gpus-per-node with a divisor of {plan.devices}")
+                         f"{per_node} ({note}); pass ", Param("gpus_per_node"), f" with a divisor of {plan.devices}")
     return NodeShape(nodes=plan.devices // per_node, per_node=per_node, device=device, note=note)
 
 

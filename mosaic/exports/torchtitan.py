@@ -139,7 +139,7 @@ def parallel_degrees(plan: Plan) -> dict[str, Any]:
     dp = int(lay.dp)
     if lay.ep > 1 and lay.etp not in (1, lay.tp):
         raise InputError(f"{plan.source}: key 'layout.etp': torchtitan supports etp = 1 or etp = tp "
-                         f"(tp={lay.tp}), got {lay.etp}; use etp=1 or etp=tp for --format torchtitan")
+                         f"(tp={lay.tp}), got {lay.etp}; use etp=1 or etp=tp for torchtitan")
     replicate, shard = 1, dp
     if lay.dp_flavor == "ddp":
         shard = next(k for k in range(1, dp + 1)

@@ -43,7 +43,7 @@ from mosaic.planner import law as lawmod
 from mosaic.planner.candidates import GeometryResults
 from mosaic.planner.enumerate import Ranked
 from mosaic.planner.problem import Problem
-from perfmodel.errors import SolverError
+from perfmodel.errors import Param, SolverError
 
 D_SCALE = 1.0e12
 """Tokens per unit of the D variable (keeps the model well scaled)."""
@@ -241,7 +241,7 @@ def _quiet_available(name: str) -> bool:
 def solve_model(model: Any, solver: str, time_limit_s: float = 300.0) -> Solution:
     ok, why = solver_available(solver)
     if not ok:
-        raise SolverError(f"--solver {solver}: {why}; or use --solver enumerate")
+        raise SolverError(Param("solver", solver), f": {why}; or use ", Param("solver", "enumerate"))
     t0 = time.perf_counter()
     if solver == "scip":
         status, gap, values, objective = _solve_scip(model, time_limit_s)
@@ -251,7 +251,8 @@ def solve_model(model: Any, solver: str, time_limit_s: float = 300.0) -> Solutio
     seconds = time.perf_counter() - t0
     x = np.asarray([values.get(f"x[{p}]", 0.0) for p in range(len(model.x))])
     if status not in ("optimal", "gaplimit") or x.size == 0 or x.max() < 0.5:
-        raise SolverError(f"--solver {solver}: no optimal solution (status {status}); use --solver enumerate")
+        raise SolverError(Param("solver", solver), f": no optimal solution (status {status}); use ",
+                          Param("solver", "enumerate"))
     return Solution(choice=int(np.argmax(x)), objective=float(objective), tokens=float(values["D"]) * D_SCALE,
                     status=status, gap=gap, seconds=seconds, solver=solver)
 
@@ -347,7 +348,7 @@ def solve_cluster_optimal(problem: Problem, solver: str, top: int = 10,
     """MINLP optimum first, then the other geometries of the same data ranked by loss."""
     ok, why = solver_available(solver)
     if not ok:
-        raise SolverError(f"--solver {solver}: {why}; or use --solver enumerate")
+        raise SolverError(Param("solver", solver), f": {why}; or use ", Param("solver", "enumerate"))
     report: dict[str, Any] = {}
     if geometries is None and presolve:
         geometries, report = presolve_geometries(problem)

@@ -22,7 +22,7 @@ from mosaic.planfile import Plan, PlanBudget, PlanCluster, PlanFit
 from mosaic.planner import law as lawmod
 from mosaic.planner.enumerate import Ranked, rank_cluster_optimal, rank_compute_optimal
 from mosaic.planner.problem import Problem
-from perfmodel.errors import InfeasibleError, InputError
+from perfmodel.errors import InfeasibleError, InputError, Param
 from perfmodel.specs.architecture import (
     ARCH_FIELDS,
     MoEArchitecture,
@@ -223,7 +223,7 @@ def infeasible_error(problem: Problem, ranked: Ranked) -> InfeasibleError:
         return InfeasibleError(
             f"no valid layout: no tp/pp/ep/etp of the search space fits {problem.budget.devices} devices and the "
             "geometries (divisibility rules); nearest relaxation: add tp/pp/ep values that divide the device count "
-            "and the head/expert counts to the space (--space)")
+            "and the head/expert counts to the search space (", Param("space"), ")")
     j = int(np.argmin(res.min_memory_bytes))
     need = float(res.min_memory_bytes[j])
     arch = _geometry(problem, int(res.index[j]))
@@ -231,13 +231,13 @@ def infeasible_error(problem: Problem, ranked: Ranked) -> InfeasibleError:
         f"memory binds: every candidate needs more than the usable HBM ({hbm / 1e9:.1f} GB per device); the smallest "
         f"needs {need / 1e9:.1f} GB (d_model={arch.d_model}, n_layers={arch.n_layers}, n_experts={arch.n_experts}); "
         f"nearest feasible relaxation: usable HBM >= {need / 1e9:.1f} GB, or smaller geometries in the space "
-        "(geometry.active_params / d_model), or more devices (--devices)")
+        "(geometry.active_params / d_model), or more devices (", Param("devices"), ")")
 
 
 def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: Optional[Callable[[int], None]] = None,
           workers: int = 1) -> PlanResult:
     if solver not in SOLVERS:
-        raise InputError(f"--solver {solver!r} is unknown; use one of {', '.join(SOLVERS)}")
+        raise InputError(Param("solver", solver), f" is unknown; use one of {', '.join(SOLVERS)}")
     if len(problem.geoms) == 0:
         raise InfeasibleError("the search space has no geometry in its active-parameter band; nearest relaxation: "
                               "widen geometry.active_params or tokens_per_param, or add d_model/n_layers values")

@@ -26,7 +26,7 @@ import numpy as np
 from mosaic.planner.enumerate import Ranked, rank_cluster_optimal, rank_compute_optimal
 from mosaic.planner.problem import Problem, build_problem
 from mosaic.planner.space import geometry_label
-from perfmodel.errors import InputError
+from perfmodel.errors import InputError, Param
 from perfmodel.specs.architecture import active_params, expert_sparsity, granularity, sparsity, total_params
 from perfmodel.specs.strict import save_figure_atomic
 
@@ -100,7 +100,7 @@ def sweep(cluster: Any, over: str, values: Optional[list[float]] = None, devices
     import pandas as pd
 
     if over not in OVER:
-        raise InputError(f"--over {over!r} is unknown; use one of {', '.join(OVER)}")
+        raise InputError(Param("over", over), f" is unknown; use one of {', '.join(OVER)}")
     rows = []
     if over in ("sparsity", "granularity"):
         problem = build_problem(cluster, devices=devices, days=days, hours=hours, fit=fit, space=space)

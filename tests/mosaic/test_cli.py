@@ -53,7 +53,7 @@ def test_plan_bad_input_and_infeasible_exit_codes(planted, space_file, tmp_path)
     res = runner.invoke(app, ["plan", "--cluster", "h100", "--devices", "4096", "--space", space_file])
     assert res.exit_code == 2 and "exceeds cluster 'h100' size 1024" in " ".join(res.output.split())
     res = runner.invoke(app, ["plan", "--cluster", "h100", "--days", "5", "--hours", "3", "--space", space_file])
-    assert res.exit_code == 2 and "not both" in res.output
+    assert res.exit_code == 2 and "give --days or --hours, not both" in res.output
     res = runner.invoke(app, ["plan", "--cluster", "h100", "--solver", "gurobi", "--space", space_file])
     assert res.exit_code == 2 and "--solver 'gurobi' is unknown" in " ".join(res.output.split())
     cluster = yaml.safe_load(open("perfmodel/clusters/h100.yaml").read())

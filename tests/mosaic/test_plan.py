@@ -98,7 +98,7 @@ def test_days_sweep_is_monotone(law, space):
     frame = sweep("h100", "days", values=[2, 4, 8], devices=64, fit=law, space=space)
     assert np.all(np.diff(frame["cluster_optimal_loss"]) < 0)
     assert np.all(np.diff(frame["compute_optimal_loss"]) < 0)
-    with pytest.raises(InputError, match="--over"):
+    with pytest.raises(InputError, match="over='layers' is unknown"):
         sweep("h100", "layers", fit=law, space=space)
 
 
