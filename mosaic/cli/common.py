@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
 from perfmodel.errors import MosaicError
 
@@ -28,6 +29,28 @@ FLAGS = {"fmt": "--format"}
 console = Console()
 err_console = Console(stderr=True)
 _state = {"debug": False}
+
+
+def _flags_without_type(params: list[Any]) -> list[Any]:
+    """A flag takes no value: show no `<bool>` type beside it in --help (typer shows one)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """Every `mosaic` command: help lists flags without a value type."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_without_type(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """The `mosaic` group: its help (--version, --debug, --help) lists flags without a value type."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_without_type(super().get_params(ctx))
 
 
 def set_debug(enabled: bool) -> None:
