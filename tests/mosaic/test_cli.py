@@ -4,28 +4,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import yaml
 from typer.testing import CliRunner
 
 from mosaic.cli.app import app
-from mosaic.planner import law as lawmod
-from perfmodel.specs.strict import spec_to_dict, write_yaml_atomic
 
 runner = CliRunner()
-
-
-@pytest.fixture
-def space_file(tmp_path, space):
-    path = tmp_path / "space.yaml"
-    write_yaml_atomic(path, spec_to_dict(space))
-    return str(path)
-
-
-@pytest.fixture
-def planted(monkeypatch, law):
-    monkeypatch.setattr(lawmod, "load_law", lambda path=None: law)
-    return law
 
 
 def test_plan_json_and_plan_file(planted, space_file, tmp_path):

@@ -13,8 +13,6 @@ import pytest
 from typer.testing import CliRunner
 
 from mosaic.cli.app import app
-from mosaic.planner import law as lawmod
-from perfmodel.specs.strict import spec_to_dict, write_yaml_atomic
 
 runner = CliRunner()
 BOX = re.compile(r"[\u2500-\u257f]")  # table borders
@@ -25,18 +23,10 @@ def _words(text: str) -> set[str]:
 
 
 @pytest.fixture
-def space_file(tmp_path, space):
-    path = tmp_path / "space.yaml"
-    write_yaml_atomic(path, spec_to_dict(space))
-    return str(path)
-
-
-@pytest.fixture
-def steady(monkeypatch, law):
+def steady(monkeypatch, planted):
     """The planted law, and a clock that ticks one second per reading (the search line's rate is fixed)."""
     import mosaic.planner.plan as plan_mod
 
-    monkeypatch.setattr(lawmod, "load_law", lambda path=None: law)
     ticks = itertools.count()
     monkeypatch.setattr(plan_mod.time, "perf_counter", lambda: float(next(ticks)))
 
