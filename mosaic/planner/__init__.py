@@ -8,7 +8,7 @@ Modules, one job each:
   candidates   best feasible layout per geometry through perfmodel.evaluate (with pruning)
   enumerate    exact search (branch and bound over geometries) under both budgets
   minlp        the same problem as a Pyomo MINLP (SCIP via pyscipopt, Bonmin, MindtPy)
-  plan         assemble both answers; the versioned plan file
+  plan         assemble both answers (PlanResult.to_plan: the plan file, mosaic.planfile)
   sweep        best loss per value of sparsity, granularity, devices or days
   sensitivity  +-20% budget, bandwidth, HBM; bootstrap probability of the choice
 """
