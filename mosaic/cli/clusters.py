@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -11,7 +12,7 @@ from perfmodel.clusters import bundled_cluster_paths, load_cluster
 from perfmodel.specs.strict import spec_to_dict
 
 
-def _plain(text: object) -> str:
+def _escape(text: object) -> str:
     """Source text for a rich cell: citation keys like [verl] are not markup."""
     return escape(str(text))
 
@@ -20,6 +21,12 @@ def _flops(value: float) -> str:
     """FLOP/s with a unit that keeps three significant digits (CPU cores are GFLOP/s)."""
     unit, scale = ("TFLOP/s", 1e12) if value >= 1e12 else ("GFLOP/s", 1e9)
     return f"{value / scale:,.4g} {unit}"
+
+
+def _tflops(value: float) -> str:
+    """TFLOP/s as a plain number: 2,250 or 989, two digits below 1 (a CPU core: 0.22)."""
+    tflops = value / 1e12
+    return f"{tflops:,.0f}" if tflops >= 1 else f"{tflops:.2g}"
 
 
 def _bytes_per_s(value: float) -> str:
@@ -33,7 +40,7 @@ def _peaks(peaks: dict[str, float]) -> str:
 
 @cli_errors
 def clusters(json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
-    """List the bundled cluster library with its key figures and sources."""
+    """List the bundled cluster library with its key figures (sources: `mosaic show-cluster NAME`)."""
     rows = []
     for name in bundled_cluster_paths():
         spec = load_cluster(name)
@@ -50,13 +57,18 @@ def clusters(json_output: bool = typer.Option(False, "--json", help="Print JSON 
     if json_output:
         print_json(rows)
         return
-    table = Table(title="MOSAIC cluster library", show_lines=True)
-    for column in ("name", "accelerator", "devices", "peak (dense)", "HBM GB", "fabric levels", "source (peak)"):
-        table.add_column(column, overflow="fold")
+    table = Table(title="MOSAIC cluster library", box=box.SIMPLE_HEAD, row_styles=["", "dim"], pad_edge=False)
+    for column, justify in (("name", "left"), ("accelerator", "left"), ("devices", "right"),
+                            ("bf16\nTFLOP/s", "right"), ("HBM\nGB", "right"), ("fabric levels", "left")):
+        table.add_column(column, justify=justify, no_wrap=column in ("name", "devices", "fabric levels"),
+                         min_width=len("accelerator") if column == "accelerator" else None)
     for row in rows:
-        table.add_row(row["name"], row["accelerator"], str(row["devices"]), _peaks(row["peak_flops_per_s"]),
-                      f"{row['hbm_gb']:.3g}", "\n".join(row["levels"]), _plain(row["peak_source"]))
+        peak = row["peak_flops_per_s"].get("bf16")
+        table.add_row(row["name"], _escape(row["accelerator"]), str(row["devices"]),
+                      "-" if peak is None else _tflops(peak), f"{row['hbm_gb']:.3g}",
+                      "\n".join(f"{lvl.name} {lvl.devices}" for lvl in load_cluster(row["name"]).levels))
     console.print(table)
+    console.print("every figure with its source: mosaic show-cluster NAME", highlight=False)
 
 
 @cli_errors
@@ -70,36 +82,46 @@ def show_cluster(
         print_json(spec_to_dict(spec))
         return
     acc = spec.accelerator
-    console.print(f"[bold]{_plain(spec.name)}[/bold]: {_plain(spec.description)}")
+    console.print(f"[bold]{_escape(spec.name)}[/bold]: {_escape(spec.description)}")
     cores = f", sized from this host: {spec.host_cores} cores shared by the ranks" if spec.size_from_host else ""
     console.print(f"devices: {spec.devices} (default job size and upper bound{cores})   "
                   f"content hash: {spec.content_hash()}")
-    table = Table(title=f"accelerator: {_plain(acc.name)}", show_lines=True)
-    table.add_column("figure")
-    table.add_column("value")
-    table.add_column("source", overflow="fold")
-    table.add_row("peak (dense)", _peaks(acc.peak_flops_per_s), _plain(acc.sources["peak_flops_per_s"]))
-    table.add_row("HBM", f"{acc.hbm_bytes / 1e9:.3g} GB (usable {acc.usable_hbm_bytes / 1e9:.3g})", _plain(acc.sources["hbm_bytes"]))
-    table.add_row("HBM bandwidth", _bytes_per_s(acc.hbm_bandwidth_bytes_per_s), _plain(acc.sources["hbm_bandwidth_bytes_per_s"]))
-    table.add_row("launch latency", f"{acc.launch_latency_s * 1e6:.1f} us", _plain(acc.sources["launch_latency_s"]))
-    for precision, curve in acc.compute_efficiency.items():
-        table.add_row(f"GEMM efficiency {precision}", f"max {curve.max_value:.1%}", _plain(curve.source))
-    table.add_row("memory efficiency", f"max {acc.memory_efficiency.max_value:.0%}", _plain(acc.memory_efficiency.source))
+    table = Table(title=f"accelerator: {_escape(acc.name)}", show_lines=True)
+    table.add_column("figure", no_wrap=True)
+    table.add_column("value [dim](source)[/dim]")
+    rows = [
+        ("peak (dense)", _peaks(acc.peak_flops_per_s), acc.sources["peak_flops_per_s"]),
+        ("HBM", f"{acc.hbm_bytes / 1e9:.3g} GB (usable {acc.usable_hbm_bytes / 1e9:.3g})", acc.sources["hbm_bytes"]),
+        ("HBM bandwidth", _bytes_per_s(acc.hbm_bandwidth_bytes_per_s), acc.sources["hbm_bandwidth_bytes_per_s"]),
+        ("launch latency", f"{acc.launch_latency_s * 1e6:.1f} us", acc.sources["launch_latency_s"]),
+        *((f"GEMM efficiency {precision}", f"max {curve.max_value:.1%}", curve.source)
+          for precision, curve in acc.compute_efficiency.items()),
+        ("memory efficiency", f"max {acc.memory_efficiency.max_value:.0%}", acc.memory_efficiency.source),
+    ]
+    for figure, value, source in rows:
+        table.add_row(figure, f"{value}\n[dim]{_escape(source)}[/dim]")
     console.print(table)
     fabric = Table(title="fabric levels (innermost first)", show_lines=True)
-    for column in ("level", "devices", "GB/s per device (uni)", "latency us", "efficiency", "source"):
-        fabric.add_column(column, overflow="fold")
+    for column, justify in (("level", "left"), ("devices", "right"), ("GB/s per\ndevice (uni)", "right"),
+                            ("latency\nus", "right"), ("collective\nefficiency", "left")):
+        fabric.add_column(column, justify=justify, no_wrap=True)
     for lvl in spec.levels:
         eff = "\n".join([f"default {lvl.efficiency:.2f}"] + [f"{k} {v:.2f}" for k, v in lvl.collective_efficiency.items()])
-        fabric.add_row(_plain(lvl.name), str(lvl.devices), f"{lvl.bandwidth_bytes_per_s / 1e9:g}", f"{lvl.latency_s * 1e6:.1f}",
-                       eff, _plain(lvl.source))
+        fabric.add_row(_escape(lvl.name), str(lvl.devices), f"{lvl.bandwidth_bytes_per_s / 1e9:g}",
+                       f"{lvl.latency_s * 1e6:.1f}", eff)
     console.print(fabric)
+    sources = Table(title="fabric sources", show_lines=True)
+    sources.add_column("level", no_wrap=True)
+    sources.add_column("source")
+    for lvl in spec.levels:
+        sources.add_row(_escape(lvl.name), _escape(lvl.source))
+    console.print(sources)
     gp = spec.goodput
     goodput = f"eta {gp.eta}" if gp.eta is not None else f"node MTBF {gp.node_mtbf_hours:g} h, checkpoint {gp.checkpoint_s:g} s, restart {gp.restart_s:g} s"
-    console.print(f"goodput: {goodput} — {_plain(gp.source)}")
+    console.print(f"goodput: {goodput} — {_escape(gp.source)}")
     ov = spec.overlap
-    console.print(f"overlap (hideable fraction): tp {ov.tp}, ep {ov.ep}, dp {ov.dp}, pp {ov.pp} — {_plain(ov.source)}")
-    console.print(f"straggler cv: {spec.straggler.cv} — {_plain(spec.straggler.source)}")
-    console.print(f"framework overhead: {spec.framework_overhead_bytes / 1e9:.1f} GB — {_plain(spec.framework_overhead_source)}")
+    console.print(f"overlap (hideable fraction): tp {ov.tp}, ep {ov.ep}, dp {ov.dp}, pp {ov.pp} — {_escape(ov.source)}")
+    console.print(f"straggler cv: {spec.straggler.cv} — {_escape(spec.straggler.source)}")
+    console.print(f"framework overhead: {spec.framework_overhead_bytes / 1e9:.1f} GB — {_escape(spec.framework_overhead_source)}")
     if spec.calibration:
-        console.print(f"calibration: {_plain(spec.calibration.get('provenance', spec.calibration))}")
+        console.print(f"calibration: {_escape(spec.calibration.get('provenance', spec.calibration))}")
