@@ -75,7 +75,7 @@ def main() -> None:
                "search_s": s["seconds"], "candidates": s.get("candidates"), "candidates_per_s": s.get("candidates_per_s"),
                "geometries": s["geometries"], "timed_geometries": s.get("evaluated_geometries"),
                "layouts_per_geometry": s["layouts_per_geometry"], "under_target": min(walls) < TARGET_S,
-               "loss": payload["cluster_optimal"]["predicted"]["loss"]}
+               "loss": payload["predicted"]["loss"]}
         report["default_plan"].append(row)
         print(f"  {cluster:16s} {row['devices']:5d} devices: wall {row['wall_s']:.2f} s (ratio to target "
               f"{row['wall_s'] / TARGET_S:.2f}), search {row['search_s']:.2f} s, {row['candidates']:,} candidates "

@@ -34,7 +34,7 @@ from calibration.measurements import COLLECTIVE_KINDS, Measurement, write_csv
 from perfmodel.clusters import resolve_cluster_path
 from perfmodel.errors import InputError
 from perfmodel.specs.cluster import ClusterSpec
-from perfmodel.specs.strict import read_yaml, spec_from_dict, write_text_atomic
+from perfmodel.specs.strict import plain, read_yaml, spec_from_dict, write_text_atomic
 
 MIN_FRACTION = 1e-4
 
@@ -329,7 +329,7 @@ def write_calibrated(base: str, rows: Sequence[Measurement], provenance: Provena
     if extra:
         data["calibration"].update(extra)
     spec = spec_from_dict(ClusterSpec, data, source=str(output))  # validate before anything is written
-    text = yaml.safe_dump(_plain(data), sort_keys=False, width=100)  # fails here, before any file is touched
+    text = yaml.safe_dump(plain(data, nonfinite_to_none=False), sort_keys=False, width=100)  # fails here, before any file is touched
     write_csv(csv_path, rows)
     write_text_atomic(output, text)
     return output, csv_path, spec
@@ -337,19 +337,6 @@ def write_calibrated(base: str, rows: Sequence[Measurement], provenance: Provena
 
 def measurements_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.measurements.csv")
-
-
-def _plain(value: Any) -> Any:
-    """YAML-safe builtins (numpy scalars -> Python)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):
-        return value.item()
-    if isinstance(value, str):
-        return str(value)  # str subclasses (torch.__version__) are not YAML-safe
-    return value
 
 
 __all__ = ["Calibration", "Provenance", "calibrated_mapping", "fit_all", "level_figures", "measurements_path",

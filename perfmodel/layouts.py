@@ -5,7 +5,8 @@ tp in powers of two up to the node size (tensor parallel stays inside a
 node), pp in powers of two, vpp 1/2/4, ep over the divisors of E, etp 1
 (Megatron-Core's recommendation for fine-grained MoE), cp 1/2, every
 data-parallel flavour, mbs 1/2/4/8, every recompute mode, sequence parallel
-whenever tp > 1, at one precision and one global batch. Invalid
+whenever tp > 1, at one precision and one global batch (default
+`perfmodel.specs.layout.default_gbs_of_job`). Invalid
 combinations are dropped by `perfmodel.validity.valid_mask`; the rest go
 through `perfmodel.evaluate` and the feasible ones are ranked by tokens/s.
 """
@@ -13,27 +14,21 @@ through `perfmodel.evaluate` and the feasible ones are ranked by tokens/s.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
 
 from perfmodel.evaluate import REASONS, EvalResult, evaluate
-from perfmodel.specs.layout import DP_FLAVORS, LAYOUT_FIELDS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
+from perfmodel.specs.layout import (
+    DP_FLAVORS,
+    LAYOUT_FIELDS,
+    PRECISIONS,
+    RECOMPUTE_MODES,
+    LayoutBatch,
+    default_gbs_of_job,
+)
 from perfmodel.validity import valid_mask
-
-DEFAULT_BATCH_TOKENS = 4 * 2**20
-"""Default global batch ~4M tokens (Llama 2 pre-training used 4M tokens per batch,
-Touvron et al. 2023), rounded to a multiple of the device count."""
-
-MAX_SEQUENCES_PER_DEVICE = 8
-"""Cap of the default batch per device, so that small jobs (a CPU test cluster) do not
-default to thousands of sequences per step."""
-
-
-def default_gbs(arch: Any, devices: int) -> int:
-    """About DEFAULT_BATCH_TOKENS sequences, a multiple of `devices`, 1 to 8 per device."""
-    per_device = round(DEFAULT_BATCH_TOKENS / (arch.seq_len * devices))
-    return int(devices * min(max(per_device, 1), MAX_SEQUENCES_PER_DEVICE))
 
 
 def default_precision(cluster: Any) -> str:
@@ -41,7 +36,8 @@ def default_precision(cluster: Any) -> str:
     return "bf16" if "bf16" in cluster.accelerator.peak_flops_per_s else "fp32"
 
 
-def _powers_of_two(limit: int) -> list[int]:
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to `limit`."""
     out, v = [], 1
     while v <= limit:
         out.append(v)
@@ -49,27 +45,48 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
+def layout_grid(devices: int, *, tp: Sequence[int], pp: Sequence[int], vpp: Sequence[int], ep: Sequence[int],
+                etp: Sequence[int], cp: Sequence[int], dp_flavor: Sequence[str], mbs: Sequence[int],
+                recompute: Sequence[str], precision: Sequence[str],
+                sequence_parallel: Optional[Sequence[bool]] = None, gbs: int = 0) -> LayoutBatch:
+    """Every combination of the lists (crossed tp outermost ... precision innermost, the order
+    ties break in) with dp = devices / (tp * cp * pp). Left out: tp * cp * pp not dividing the
+    devices, vpp > 1 without a pipeline, and with `sequence_parallel` None (auto) any row whose
+    sequence parallel is not exactly tp > 1. Every row gets `gbs` (0: filled later per pair).
+    The one grid builder: `mosaic predict --layout best` (`candidate_layouts`) and the planner's
+    search space (`mosaic.planner.space.layout_grid`) pass their lists."""
+    sp_values = (False, True) if sequence_parallel is None else tuple(sequence_parallel)
+    rows = []
+    for t, p, v, e, et, c, flavor, m, rec, sp, prec in itertools.product(
+            tp, pp, vpp, ep, etp, cp, dp_flavor, mbs, recompute, sp_values, precision):
+        if devices % (t * c * p) != 0:
+            continue
+        if sequence_parallel is None and sp != (t > 1):
+            continue
+        if v > 1 and p == 1:
+            continue
+        rows.append((t, p, v, e, et, c, devices // (t * c * p), DP_FLAVORS.index(flavor), m, gbs,
+                     RECOMPUTE_MODES.index(rec), sp, PRECISIONS.index(prec)))
+    if not rows:
+        return LayoutBatch(**{name: np.zeros(0, dtype=bool if name == "sequence_parallel" else np.int64)
+                              for name in LAYOUT_FIELDS})
+    table = np.asarray(rows, dtype=np.int64)
+    cols = {name: table[:, i] for i, name in enumerate(LAYOUT_FIELDS)}
+    cols["sequence_parallel"] = cols["sequence_parallel"].astype(bool)
+    return LayoutBatch(**cols)
+
+
 def candidate_layouts(arch: Any, cluster: Any, devices: int, gbs: int, precision: str) -> LayoutBatch:
     """Every valid layout of the grid (module doc) for `devices` devices."""
-    tps = _powers_of_two(min(cluster.node_devices, devices))
-    pps = [p for p in _powers_of_two(min(arch.n_layers, devices)) if arch.n_layers % p == 0]
-    eps = [e for e in range(1, max(arch.n_experts, 1) + 1) if max(arch.n_experts, 1) % e == 0 and e <= devices]
-    rows = []
-    for tp, pp, vpp, ep, cp in itertools.product(tps, pps, (1, 2, 4), eps, (1, 2)):
-        if devices % (tp * pp * cp):
-            continue
-        dp = devices // (tp * pp * cp)
-        for flavor, mbs, recompute in itertools.product(range(len(DP_FLAVORS)), (1, 2, 4, 8),
-                                                        range(len(RECOMPUTE_MODES))):
-            rows.append((tp, pp, vpp, ep, 1, cp, dp, flavor, mbs, gbs, recompute, tp > 1,
-                         PRECISIONS.index(precision)))
-    if not rows:
-        return LayoutBatch(**{name: np.zeros(0, dtype=np.int64) for name in LAYOUT_FIELDS})
-    cols = np.asarray(rows, dtype=np.int64).T
-    batch = LayoutBatch(**{name: (cols[i].astype(bool) if name == "sequence_parallel" else cols[i])
-                           for i, name in enumerate(LAYOUT_FIELDS)})
-    keep = valid_mask(arch, batch, devices)
-    return batch.take(np.flatnonzero(keep))
+    n_experts = max(arch.n_experts, 1)
+    batch = layout_grid(
+        devices, tp=powers_of_two(min(cluster.node_devices, devices)),
+        pp=[p for p in powers_of_two(min(arch.n_layers, devices)) if arch.n_layers % p == 0], vpp=(1, 2, 4),
+        ep=[e for e in range(1, n_experts + 1) if n_experts % e == 0 and e <= devices], etp=(1,), cp=(1, 2),
+        dp_flavor=DP_FLAVORS, mbs=(1, 2, 4, 8), recompute=RECOMPUTE_MODES, precision=(precision,), gbs=gbs)
+    if len(batch) == 0:
+        return batch
+    return batch.take(np.flatnonzero(valid_mask(arch, batch, devices)))
 
 
 def best_layouts(arch: Any, cluster: Any, devices: int, gbs: Optional[int] = None, precision: Optional[str] = None,
@@ -77,7 +94,7 @@ def best_layouts(arch: Any, cluster: Any, devices: int, gbs: Optional[int] = Non
     """The `top` feasible layouts by tokens/s, their results (None when the grid is
     empty), and search statistics: candidates, feasible, reasons (count per
     infeasibility reason), gbs, precision, devices."""
-    gbs = default_gbs(arch, devices) if gbs is None else gbs
+    gbs = default_gbs_of_job(arch.seq_len, devices) if gbs is None else gbs
     precision = default_precision(cluster) if precision is None else precision
     grid = candidate_layouts(arch, cluster, devices, gbs, precision)
     stats: dict[str, Any] = {"candidates": len(grid), "feasible": 0, "reasons": {}, "gbs": gbs,

@@ -20,7 +20,7 @@ from mosaic.cli import predict as predict_cmd
 from mosaic.cli import sweep as sweep_cmd
 from mosaic.cli import train as train_cmd
 from mosaic.cli import validate as validate_cmd
-from mosaic.cli.common import set_debug
+from mosaic.cli.common import Command, Group, set_debug
 
 app = typer.Typer(
     name="mosaic",
@@ -28,6 +28,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=Group,
 )
 
 
@@ -46,16 +47,16 @@ def _root(
     set_debug(debug)
 
 
-app.command("clusters")(clusters_cmd.clusters)
-app.command("show-cluster")(clusters_cmd.show_cluster)
-app.command("train")(train_cmd.train)
-app.command("calibrate")(calibrate_cmd.calibrate)
-app.command("validate")(validate_cmd.validate)
-app.command("plan")(plan_cmd.plan)
-app.command("predict")(predict_cmd.predict)
-app.command("sweep")(sweep_cmd.sweep)
-app.command("export")(export_cmd.export)
-app.command("fit")(fit_cmd.fit)
+app.command("clusters", cls=Command)(clusters_cmd.clusters)
+app.command("show-cluster", cls=Command)(clusters_cmd.show_cluster)
+app.command("train", cls=Command)(train_cmd.train)
+app.command("calibrate", cls=Command)(calibrate_cmd.calibrate)
+app.command("validate", cls=Command)(validate_cmd.validate)
+app.command("plan", cls=Command)(plan_cmd.plan)
+app.command("predict", cls=Command)(predict_cmd.predict)
+app.command("sweep", cls=Command)(sweep_cmd.sweep)
+app.command("export", cls=Command)(export_cmd.export)
+app.command("fit", cls=Command)(fit_cmd.fit)
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import typer
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -13,7 +14,7 @@ from perfmodel.clusters import bundled_cluster_paths, load_cluster
 from perfmodel.specs.strict import spec_to_dict
 
 
-def _plain(text: object) -> str:
+def _escape(text: object) -> str:
     """Source text for a rich cell: citation keys like [verl] are not markup."""
     return escape(str(text))
 
@@ -22,6 +23,12 @@ def _flops(value: float) -> str:
     """FLOP/s with a unit that keeps three significant digits (CPU cores are GFLOP/s)."""
     unit, scale = ("TFLOP/s", 1e12) if value >= 1e12 else ("GFLOP/s", 1e9)
     return f"{value / scale:,.4g} {unit}"
+
+
+def _tflops(value: float) -> str:
+    """TFLOP/s as a plain number: 2,250 or 989, two digits below 1 (a CPU core: 0.22)."""
+    tflops = value / 1e12
+    return f"{tflops:,.0f}" if tflops >= 1 else f"{tflops:.2g}"
 
 
 def _bytes_per_s(value: float) -> str:
@@ -35,7 +42,7 @@ def _peaks(peaks: dict[str, float]) -> str:
 
 @cli_errors
 def clusters(json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
-    """List the bundled cluster library with its key figures and sources."""
+    """List the bundled cluster library with its key figures (sources: `mosaic show-cluster NAME`)."""
     rows = []
     for name in bundled_cluster_paths():
         spec = load_cluster(name)
@@ -52,13 +59,18 @@ def clusters(json_output: bool = typer.Option(False, "--json", help="Print JSON 
     if json_output:
         print_json(rows)
         return
-    table = Table(title="MOSAIC cluster library", show_lines=True)
-    for column in ("name", "accelerator", "devices", "peak (dense)", "HBM GB", "fabric levels", "source (peak)"):
-        table.add_column(column, overflow="fold")
+    table = Table(title="MOSAIC cluster library", box=box.SIMPLE_HEAD, row_styles=["", "dim"], pad_edge=False)
+    for column, justify in (("name", "left"), ("accelerator", "left"), ("devices", "right"),
+                            ("bf16\nTFLOP/s", "right"), ("HBM\nGB", "right"), ("fabric levels", "left")):
+        table.add_column(column, justify=justify, no_wrap=column in ("name", "devices", "fabric levels"),
+                         min_width=len("accelerator") if column == "accelerator" else None)
     for row in rows:
-        table.add_row(row["name"], row["accelerator"], str(row["devices"]), _peaks(row["peak_flops_per_s"]),
-                      f"{row['hbm_gb']:.3g}", "\n".join(row["levels"]), _plain(row["peak_source"]))
+        peak = row["peak_flops_per_s"].get("bf16")
+        table.add_row(row["name"], _escape(row["accelerator"]), str(row["devices"]),
+                      "-" if peak is None else _tflops(peak), f"{row['hbm_gb']:.3g}",
+                      "\n".join(f"{lvl.name} {lvl.devices}" for lvl in load_cluster(row["name"]).levels))
     console.print(table)
+    console.print("every figure with its source: mosaic show-cluster NAME", highlight=False)
 
 
 def _provenance(rows: int, error: Optional[float], derived: str) -> str:
@@ -72,26 +84,28 @@ def _provenance(rows: int, error: Optional[float], derived: str) -> str:
 def _kernel_table(kernels: Any) -> Table:
     """Every fitted kernel figure with its provenance (measured rows or the derivation rule)."""
     table = Table(title="kernels (fitted to perfmodel/data/kernels/*.csv)", show_lines=True)
-    for column in ("kernel", "figures", "provenance"):
-        table.add_column(column, overflow="fold")
+    table.add_column("kernel", no_wrap=True)
+    table.add_column("figures [dim](provenance)[/dim]")
+    rows = []
     for precision, g in kernels.gemm.items():
-        table.add_row(f"GEMM {precision}", f"e_max {g.e_max:.2f}, halves m {g.m_half:.4g} n {g.n_half:.4g} k {g.k_half:.4g}",
-                      _plain(_provenance(g.rows, g.median_abs_error, g.derived)))
+        rows.append((f"GEMM {precision}", f"e_max {g.e_max:.2f}; halves m {g.m_half:.4g} n {g.n_half:.4g} k {g.k_half:.4g}",
+                     _provenance(g.rows, g.median_abs_error, g.derived)))
     for precision, grouped in kernels.grouped_gemm.items():
         for phase in ("fwd", "dgrad", "wgrad"):
             g = grouped.phase(phase)
-            table.add_row(f"grouped GEMM {precision} {phase}", f"e_max {g.e_max:.2f}",
-                          _plain(_provenance(g.rows, g.median_abs_error, g.derived)))
+            rows.append((f"grouped {precision} {phase}", f"e_max {g.e_max:.2f}", _provenance(g.rows, g.median_abs_error, g.derived)))
     for precision, a in kernels.attention.items():
-        table.add_row(f"attention {precision}", f"e_max fwd {a.fwd_e_max:.2f} bwd {a.bwd_e_max:.2f}, seq half "
-                      f"{a.seq_half_causal:.4g} (causal), head-dim half {a.head_dim_half:.3g}",
-                      _plain(_provenance(a.rows, a.median_abs_error, a.derived)))
+        rows.append((f"attention {precision}", f"e_max fwd {a.fwd_e_max:.2f} bwd {a.bwd_e_max:.2f}; causal seq half "
+                     f"{a.seq_half_causal:.4g}; head-dim half {a.head_dim_half:.3g}",
+                     _provenance(a.rows, a.median_abs_error, a.derived)))
     m = kernels.memory
     for cls, fraction in m.fraction.items():
         derived = m.derived.get(cls, "")
-        table.add_row(f"memory {cls}", f"{fraction:.0%} of HBM bw (bytes half {m.bytes_half:.3g})",
-                      _plain(f"DERIVED: {derived}" if derived else f"measured ({m.rows} rows over the classes, "
-                                                                   f"median error {100 * (m.median_abs_error or 0):.0f}%)"))
+        rows.append((f"memory {cls}", f"{fraction:.0%} of HBM bw; bytes half {m.bytes_half:.3g}",
+                     f"DERIVED: {derived}" if derived else f"measured ({m.rows} rows over the classes, median error "
+                                                           f"{100 * (m.median_abs_error or 0):.0f}%)"))
+    for kernel, value, provenance in rows:
+        table.add_row(kernel, f"{value}\n[dim]{_escape(provenance)}[/dim]")
     return table
 
 
@@ -106,37 +120,47 @@ def show_cluster(
         print_json(spec_to_dict(spec))
         return
     acc = spec.accelerator
-    console.print(f"[bold]{_plain(spec.name)}[/bold]: {_plain(spec.description)}")
+    console.print(f"[bold]{_escape(spec.name)}[/bold]: {_escape(spec.description)}")
     cores = f", sized from this host: {spec.host_cores} cores shared by the ranks" if spec.size_from_host else ""
     console.print(f"devices: {spec.devices} (default job size and upper bound{cores})   "
                   f"content hash: {spec.content_hash()}")
-    table = Table(title=f"accelerator: {_plain(acc.name)}", show_lines=True)
-    table.add_column("figure")
-    table.add_column("value")
-    table.add_column("source", overflow="fold")
-    table.add_row("peak (dense)", _peaks(acc.peak_flops_per_s), _plain(acc.sources["peak_flops_per_s"]))
-    table.add_row("HBM", f"{acc.hbm_bytes / 1e9:.3g} GB (usable {acc.usable_hbm_bytes / 1e9:.3g})", _plain(acc.sources["hbm_bytes"]))
-    table.add_row("HBM bandwidth", _bytes_per_s(acc.hbm_bandwidth_bytes_per_s), _plain(acc.sources["hbm_bandwidth_bytes_per_s"]))
-    table.add_row("launch latency", f"{acc.launch_latency_s * 1e6:.1f} us", _plain(acc.sources["launch_latency_s"]))
+    table = Table(title=f"accelerator: {_escape(acc.name)}", show_lines=True)
+    table.add_column("figure", no_wrap=True)
+    table.add_column("value [dim](source)[/dim]")
+    rows = [
+        ("peak (dense)", _peaks(acc.peak_flops_per_s), acc.sources["peak_flops_per_s"]),
+        ("HBM", f"{acc.hbm_bytes / 1e9:.3g} GB (usable {acc.usable_hbm_bytes / 1e9:.3g})", acc.sources["hbm_bytes"]),
+        ("HBM bandwidth", _bytes_per_s(acc.hbm_bandwidth_bytes_per_s), acc.sources["hbm_bandwidth_bytes_per_s"]),
+        ("launch latency", f"{acc.launch_latency_s * 1e6:.1f} us", acc.sources["launch_latency_s"]),
+    ]
+    for figure, value, source in rows:
+        table.add_row(figure, f"{value}\n[dim]{_escape(source)}[/dim]")
     console.print(table)
     console.print(_kernel_table(acc.kernels))
     fabric = Table(title="fabric levels (innermost first)", show_lines=True)
-    for column in ("level", "devices", "GB/s per device (uni)", "latency us", "efficiency", "source"):
-        fabric.add_column(column, overflow="fold")
+    for column, justify in (("level", "left"), ("devices", "right"), ("GB/s per\ndevice (uni)", "right"),
+                            ("latency\nus", "right"), ("collective\nefficiency", "left")):
+        fabric.add_column(column, justify=justify, no_wrap=True)
     for lvl in spec.levels:
         eff = "\n".join([f"default {lvl.efficiency:.2f}"] + [f"{k} {v:.2f}" for k, v in lvl.collective_efficiency.items()])
-        fit = lvl.collective_fit
-        source = lvl.source if fit is None else (f"{lvl.source}\nfigures: {_provenance(fit.rows, fit.median_abs_error, fit.derived)}; "
-                                                f"{fit.source}")
-        fabric.add_row(_plain(lvl.name), str(lvl.devices), f"{lvl.bandwidth_bytes_per_s / 1e9:g}", f"{lvl.latency_s * 1e6:.1f}",
-                       eff, _plain(source))
+        fabric.add_row(_escape(lvl.name), str(lvl.devices), f"{lvl.bandwidth_bytes_per_s / 1e9:g}",
+                       f"{lvl.latency_s * 1e6:.1f}", eff)
     console.print(fabric)
+    sources = Table(title="fabric sources", show_lines=True)
+    sources.add_column("level", no_wrap=True)
+    sources.add_column("source")
+    for lvl in spec.levels:
+        fit = lvl.collective_fit
+        text = lvl.source if fit is None else (f"{lvl.source}\nlatency and efficiencies: "
+                                               f"{_provenance(fit.rows, fit.median_abs_error, fit.derived)}; {fit.source}")
+        sources.add_row(_escape(lvl.name), _escape(text))
+    console.print(sources)
     gp = spec.goodput
     goodput = f"eta {gp.eta}" if gp.eta is not None else f"node MTBF {gp.node_mtbf_hours:g} h, checkpoint {gp.checkpoint_s:g} s, restart {gp.restart_s:g} s"
-    console.print(f"goodput: {goodput} — {_plain(gp.source)}")
+    console.print(f"goodput: {goodput} — {_escape(gp.source)}")
     ov = spec.overlap
-    console.print(f"overlap (hideable fraction): tp {ov.tp}, ep {ov.ep}, dp {ov.dp}, pp {ov.pp} — {_plain(ov.source)}")
-    console.print(f"straggler cv: {spec.straggler.cv} — {_plain(spec.straggler.source)}")
-    console.print(f"framework overhead: {spec.framework_overhead_bytes / 1e9:.1f} GB — {_plain(spec.framework_overhead_source)}")
+    console.print(f"overlap (hideable fraction): tp {ov.tp}, ep {ov.ep}, dp {ov.dp}, pp {ov.pp} — {_escape(ov.source)}")
+    console.print(f"straggler cv: {spec.straggler.cv} — {_escape(spec.straggler.source)}")
+    console.print(f"framework overhead: {spec.framework_overhead_bytes / 1e9:.1f} GB — {_escape(spec.framework_overhead_source)}")
     if spec.calibration:
-        console.print(f"calibration: {_plain(spec.calibration.get('provenance', spec.calibration))}")
+        console.print(f"calibration: {_escape(spec.calibration.get('provenance', spec.calibration))}")

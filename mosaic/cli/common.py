@@ -2,6 +2,8 @@
 
 Bad input prints one line ``error: ...`` to stderr and exits 2; an
 infeasible request exits 1; ``mosaic --debug ...`` shows the traceback.
+Library errors name parameters (`perfmodel.errors.Param`); the CLI names
+them by their flags (`flag_of`).
 """
 
 from __future__ import annotations
@@ -15,14 +17,40 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
 from perfmodel.errors import MosaicError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+FLAGS = {"fmt": "--format"}
+"""Library parameters whose flag is not `--` + the name with `-` for `_`."""
+
 console = Console()
 err_console = Console(stderr=True)
 _state = {"debug": False}
+
+
+def _flags_without_type(params: list[Any]) -> list[Any]:
+    """A flag takes no value: show no `<bool>` type beside it in --help (typer shows one)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """Every `mosaic` command: help lists flags without a value type."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_without_type(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """The `mosaic` group: its help (--version, --debug, --help) lists flags without a value type."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_without_type(super().get_params(ctx))
 
 
 def set_debug(enabled: bool) -> None:
@@ -35,6 +63,11 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def flag_of(name: str) -> str:
+    """The CLI flag of a library parameter: `gpus_per_node` -> `--gpus-per-node`, `fmt` -> `--format`."""
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
 def cli_errors(func: F) -> F:
     """Turn MosaicError (and its exit code) into the CLI's one-line error."""
 
@@ -45,7 +78,7 @@ def cli_errors(func: F) -> F:
         except MosaicError as exc:
             if _state["debug"]:
                 traceback.print_exc()
-            fail(str(exc), exc.exit_code)
+            fail(exc.message_for(flag_of), exc.exit_code)
         except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
             if _state["debug"]:
                 traceback.print_exc()

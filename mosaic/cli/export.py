@@ -16,7 +16,8 @@ from typing import Optional
 import typer
 
 from mosaic.cli.common import cli_errors, err_console
-from mosaic.exports import EXECUTABLE, FORMATS, read_plan, render, warnings_for
+from mosaic.exports import EXECUTABLE, FORMATS, render, warnings_for
+from mosaic.planfile import read_plan
 from perfmodel.errors import InputError
 from perfmodel.specs.strict import write_text_atomic
 

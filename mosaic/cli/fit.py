@@ -43,7 +43,7 @@ def _pct(value: Optional[float]) -> str:
 def fit(
     runs: Path = typer.Argument(..., help="Runs file, CSV or Parquet (columns: scaling_fits/data.py; "
                                           "e.g. the bundled scaling_fits/data/clark2022_runs.csv)."),
-    law: str = typer.Option("mosaic4d", "--law", help=f"Law to fit: {'|'.join(LAW_NAMES)}."),
+    law: str = typer.Option("mosaic4d", "--law", help=f"Law to fit: {', '.join(LAW_NAMES)}."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the fit (versioned YAML) here."),
     n_boot: int = typer.Option(200, "--bootstrap", help="Bootstrap refits over runs (0 = none)."),
     holdout_top: float = typer.Option(0.2, "--holdout-top",

@@ -8,6 +8,9 @@ import typer
 from rich.table import Table
 
 from mosaic.cli.common import cli_errors, console, err_console, print_json
+from mosaic.planner.space import geometry_label
+from perfmodel.specs.architecture import ARCH_FIELDS, MoEArchitecture
+from perfmodel.specs.layout import ParallelLayout
 
 
 def _si(value: Optional[float], unit: str = "", digits: int = 3) -> str:
@@ -19,22 +22,13 @@ def _si(value: Optional[float], unit: str = "", digits: int = 3) -> str:
     return f"{value:.{digits}g}{unit}"
 
 
-def _geometry(model: dict[str, Any]) -> str:
-    moe = f"E{model['n_experts']} k{model['top_k']} G{model['granularity']:.3g}" if model["n_experts"] else "dense"
-    shared = f" Es{model['n_shared_experts']}" if model["n_shared_experts"] else ""
-    return f"L{model['n_layers']} h{model['d_model']} {moe}{shared}"
+def _arch(model: dict[str, Any]) -> MoEArchitecture:
+    """The MoEArchitecture of a plan section's `model` mapping (derived sizes left out)."""
+    return MoEArchitecture(**{name: model[name] for name in ARCH_FIELDS})
 
 
 def _layout(layout: Optional[dict[str, Any]]) -> str:
-    if layout is None:
-        return "none fits"
-    text = f"tp{layout['tp']} pp{layout['pp']} ep{layout['ep']} dp{layout['dp']} {layout['dp_flavor']}"
-    if layout["vpp"] > 1:
-        text += f" vpp{layout['vpp']}"
-    if layout["etp"] > 1 or layout["cp"] > 1:
-        text += f" etp{layout['etp']} cp{layout['cp']}"
-    text += f" mbs{layout['mbs']} gbs{layout['gbs']} rc:{layout['recompute']} {layout['precision']}"
-    return text
+    return "none fits" if layout is None else ParallelLayout(**layout).label()
 
 
 def progress_bar(total: int, label: str, enabled: bool) -> Any:
@@ -57,28 +51,29 @@ def progress_bar(total: int, label: str, enabled: bool) -> Any:
     return progress, advance
 
 
-def render(payload: dict[str, Any]) -> None:
-    cl, co = payload["cluster_optimal"], payload["compute_optimal"]
+def render(data: dict[str, Any]) -> None:
+    """The plan (its file's mapping, `Plan.to_dict()`) as tables readable at 80 columns."""
+    co = data["compute_optimal"]
     on = co["predicted"]["on_cluster"]
-    budget = payload["budget"]
+    budget = data["budget"]
     span = f"{budget['hours']} h" if "hours" in budget else f"{budget['days']} days"
-    title = f"{payload['cluster']['name']}: {budget['devices']} devices x {span} (fit {payload['fit']['name']})"
+    title = f"{data['cluster']['name']}: {budget['devices']} devices x {span} (fit {data['fit']['name']})"
     table = Table(title=title, show_lines=False)
     table.add_column("")
     table.add_column("cluster-optimal\n(deliverable compute, memory enforced)", style="green")
     table.add_column("compute-optimal\n(fixed C_model at nominal MFU)", style="yellow")
-    cm, om = cl["model"], co["model"]
-    cp, op = cl["predicted"], co["predicted"]
+    cm, om = {**data["model"], **data["derived"]}, co["model"]
+    cp, op = data["predicted"], co["predicted"]
     rows = [
-        ("geometry", _geometry(cm), _geometry(om)),
+        ("geometry", geometry_label(_arch(cm)), geometry_label(_arch(om))),
         ("params total / active", f"{_si(cm['n_total_params'])} / {_si(cm['n_active_params'])}",
          f"{_si(om['n_total_params'])} / {_si(om['n_active_params'])}"),
         ("sparsity S", f"{cm['sparsity']:.3f}", f"{om['sparsity']:.3f}"),
-        ("tokens D", _si(cl["tokens"]), f"{_si(co['tokens'])} (needs {on.get('days_needed') or 0:.1f} days here)"
+        ("tokens D", _si(data["tokens"]), f"{_si(co['tokens'])} (needs {on.get('days_needed') or 0:.1f} days here)"
          if on["feasible"] else f"{_si(co['tokens'])}"),
         ("predicted loss", f"{cp['loss']:.4f}", f"{op['loss']:.4f} (classic); in this budget: "
          + (f"{on['loss_in_budget']:.4f}" if on.get("loss_in_budget") else "infeasible")),
-        ("layout", _layout(cl["layout"]), _layout(co["layout"])),
+        ("layout", _layout(data["layout"]), _layout(co["layout"])),
         ("MFU", f"{cp['mfu']:.3f}", f"{on['mfu']:.3f} (nominal {op['nominal_mfu']:.2f})" if on["feasible"]
          else f"infeasible ({on['reason']})"),
         ("step time / tokens/s", f"{cp['step_time_s']:.2f} s / {_si(cp['tokens_per_s'])}",
@@ -91,20 +86,22 @@ def render(payload: dict[str, Any]) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    alts = payload["alternatives"]
+    alts = data["alternatives"]
     if alts:
         t2 = Table(title="next best (cluster-optimal)")
-        for col in ("#", "geometry", "S", "total/active", "tokens", "loss", "MFU", "layout"):
-            t2.add_column(col, no_wrap=col in ("#", "S", "loss", "MFU"))
+        for col, justify in (("#", "right"), ("geometry / layout", "left"), ("S", "right"), ("total / active", "right"),
+                             ("tokens", "right"), ("loss", "right"), ("MFU", "right")):
+            t2.add_column(col, justify=justify, no_wrap=col in ("#", "S", "tokens", "loss", "MFU"))
         for i, a in enumerate(alts, 1):
             m, p = a["model"], a["predicted"]
-            t2.add_row(str(i), _geometry(m), f"{m['sparsity']:.3f}", f"{_si(m['n_total_params'])}/{_si(m['n_active_params'])}",
-                       _si(a["tokens"]), f"{p['loss']:.4f}", f"{p['mfu']:.3f}", _layout(a["layout"]))
+            t2.add_row(str(i), f"{geometry_label(_arch(m))}\n[dim]{_layout(a['layout'])}[/dim]", f"{m['sparsity']:.3f}",
+                       f"{_si(m['n_total_params'])} / {_si(m['n_active_params'])}", _si(a["tokens"]), f"{p['loss']:.4f}",
+                       f"{p['mfu']:.3f}")
         console.print(t2)
-    b = payload["binding"]
+    b = data["binding"]
     console.print(f"binding constraint: [bold]{b['constraint']}[/bold]: {b['detail']}; "
                   f"memory headroom of the plan {100 * b['memory_headroom']:.0f}%", highlight=False)
-    s = payload["search"]
+    s = data["search"]
     line = f"search: {s['solver']}, {s['geometries']:,} geometries x {s['layouts_per_geometry']:,} layouts"
     if "evaluated_geometries" in s:
         line += f", {s['evaluated_geometries']:,} timed, {s['pruned_geometries']:,} pruned by the loss bound"
@@ -114,11 +111,11 @@ def render(payload: dict[str, Any]) -> None:
         line += f", status {s['status']}, gap {s.get('gap')}, solver time {s.get('solver_seconds', 0):.2f} s"
     line += f", {s['seconds']:.1f} s"
     console.print(line, highlight=False)
-    analysis = payload.get("analysis") or {}
+    analysis = data.get("analysis") or {}
     if "sensitivity" in analysis:
         t3 = Table(title="sensitivity (cluster-optimal)")
         for col in ("change", "geometry", "loss", "MFU", "same geometry"):
-            t3.add_column(col)
+            t3.add_column(col, no_wrap=col in ("change", "loss", "MFU"))
         for r in analysis["sensitivity"]:
             t3.add_row(r["change"], r["geometry"], f"{r['loss']:.4f}" if r["loss"] else "infeasible",
                        f"{r['mfu']:.3f}" if r["mfu"] else "-", "yes" if r["same_geometry"] else "no")
@@ -141,15 +138,16 @@ def plan(
     space: Optional[str] = typer.Option(None, "--space", help="Search-space YAML (default: the bundled space)."),
     solver: str = typer.Option("enumerate", "--solver", help="enumerate | scip | bonmin | mindtpy."),
     output: Optional[str] = typer.Option(None, "-o", "--output", help="Write the plan YAML here."),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    json_output: bool = typer.Option(False, "--json", help="Print the plan (the -o file's content) as JSON."),
     top: int = typer.Option(10, "--top", help="Alternatives to list."),
     workers: int = typer.Option(1, "--workers", help="Processes for the enumeration (large spaces)."),
     sensitivity: bool = typer.Option(False, "--sensitivity", help="Move budget, bandwidth and HBM by +-20%; bootstrap."),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide the progress bar."),
 ) -> None:
     """Plan a sparse MoE training run: the cluster-optimal and the compute-optimal answer side by side."""
-    from mosaic.planner import build_problem
-    from mosaic.planner.plan import result_to_json, solve, write_plan
+    from mosaic.planfile import write_plan
+    from mosaic.planner.plan import solve
+    from mosaic.planner.problem import build_problem
 
     if top < 0:
         raise typer.BadParameter("--top must be >= 0")
@@ -163,12 +161,13 @@ def plan(
 
         result.extra["sensitivity"] = sensitivity_table(result)
         result.extra["bootstrap"] = bootstrap_comparison(result)
+    plan_file = result.to_plan()
     if output:
-        write_plan(output, result)
-    payload = result_to_json(result)
+        write_plan(output, plan_file)
+    data = plan_file.to_dict()
     if json_output:
-        print_json(payload)
+        print_json(data)  # the plan file's own mapping
         return
-    render(payload)
+    render(data)
     if output:
         console.print(f"plan written to {output}")

@@ -85,22 +85,6 @@ def plot_breakdown(rows: list[dict[str, Any]], labels: list[str], path: Path, ti
     plt.close(fig)
 
 
-def short_label(layout: Any) -> str:
-    """Compact layout label for plots and titles: the degrees and the non-default policies."""
-    parts = [f"tp{layout.tp}", f"pp{layout.pp}" + (f"x{layout.vpp}" if layout.vpp > 1 else ""), f"ep{layout.ep}"]
-    if layout.etp > 1:
-        parts.append(f"etp{layout.etp}")
-    if layout.cp > 1:
-        parts.append(f"cp{layout.cp}")
-    parts += [f"dp{layout.dp}", str(layout.dp_flavor), f"mbs{layout.mbs}", f"gbs{layout.gbs}"]
-    if layout.recompute != "none":
-        parts.append(f"rc={layout.recompute}")
-    if layout.sequence_parallel:
-        parts.append("sp")
-    parts.append(str(layout.precision))
-    return " ".join(parts)
-
-
 def _summary_table(row: dict[str, Any], usable_hbm: float, title: str) -> Table:
     table = Table(title=title, show_header=False)
     table.add_column("figure")
@@ -200,7 +184,7 @@ def predict(
         rows = [{"layout": _layout_dict(grid.row(i)), "layout_string": grid.row(i).to_string(), **result.row(i)}
                 for i in range(len(grid))]
         if plot is not None:
-            plot_breakdown(rows, [f"#{i + 1} {short_label(grid.row(i))}" for i in range(len(rows))], plot,
+            plot_breakdown(rows, [f"#{i + 1} {grid.row(i).label()}" for i in range(len(rows))], plot,
                            f"{model.stem} on {spec.name} ({n} devices): top layouts")
         if json_output:
             print_json({"cluster": spec.name, "model": str(model), "search": stats, "top": rows, **rows[0]})
@@ -215,7 +199,7 @@ def predict(
         for i, r in enumerate(rows):
             worst = max((k for k in STEP_COMPONENTS if k not in ("compute", "attention", "expert_gemm")),
                         key=lambda k: r["breakdown"][k] or 0.0)
-            table.add_row(str(i + 1), short_label(grid.row(i)), _seconds(r["step_time_s"]), f"{r['tokens_per_s']:,.0f}",
+            table.add_row(str(i + 1), grid.row(i).label(), _seconds(r["step_time_s"]), f"{r['tokens_per_s']:,.0f}",
                           f"{r['mfu']:.1%}", _gb(r["memory_per_device_bytes"]),
                           f"{worst} {_seconds(r['breakdown'][worst])}")
         console.print(table)
@@ -241,12 +225,12 @@ def predict(
     row = evaluate(arch, lay, spec, n).row(0)
     payload = {"cluster": spec.name, "model": str(model), "layout": _layout_dict(lay), **row}
     if plot is not None:
-        plot_breakdown([row], [short_label(lay)], plot, f"{model.stem} on {spec.name} ({n} devices)")
+        plot_breakdown([row], [lay.label()], plot, f"{model.stem} on {spec.name} ({n} devices)")
     if json_output:
         print_json(payload)
     else:
         console.print(_summary_table(row, spec.accelerator.usable_hbm_bytes,
-                                     f"{model.stem} on {spec.name}\n{short_label(lay)}"))
+                                     f"{model.stem} on {spec.name}\n{lay.label()}"))
         console.print(_breakdown_table(row))
         console.print(_memory_table(row))
         if plot is not None:

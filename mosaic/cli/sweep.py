@@ -54,9 +54,9 @@ def sweep(
         print_json({"over": over, "rows": rows})
         return
     table = Table(title=f"{cluster}: best loss vs {over}")
-    for col in (over, "compute-optimal loss", "its loss on this cluster", "cluster-optimal loss", "cluster-optimal MFU",
-                "cluster-optimal geometry"):
-        table.add_column(col)
+    for col, justify in ((over, "right"), ("loss\ncompute-\noptimal", "right"), ("its loss\non this\ncluster", "right"),
+                         ("loss\ncluster-\noptimal", "right"), ("MFU", "right"), ("cluster-optimal\ngeometry", "left")):
+        table.add_column(col, justify=justify, no_wrap=col != "cluster-optimal\ngeometry")
 
     def fmt(v: object, spec: str = ".4f") -> str:
         return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)

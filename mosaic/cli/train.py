@@ -20,14 +20,14 @@ from typing import Optional
 import typer
 
 from mosaic import __version__
-from mosaic.cli.common import cli_errors, console
+from mosaic.cli.common import cli_errors, console, err_console
+from mosaic.planfile import Plan, cluster_of, read_plan
 from mosaic.trainer.config import (
     DEVICES,
     RunConfig,
     TrainOptions,
     check_runnable,
     load_model_file,
-    load_plan,
     load_run_config,
     same_run,
     trainer_precision,
@@ -38,15 +38,13 @@ from perfmodel.specs.layout import parse_layout
 from perfmodel.specs.strict import from_mapping, write_yaml_atomic
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def _check_device(device: str, ranks: int) -> None:
     """The device exists here (cpu always); a one-node launch needs a device per rank."""
     if device == "cpu":
         return
     import torch
+
+    from calibration.run import under_torchrun
 
     if device == "npu":
         try:
@@ -57,7 +55,7 @@ def _check_device(device: str, ranks: int) -> None:
     count = module.device_count() if module.is_available() else 0
     if count == 0:
         raise InputError(f"--device {device}: no {device} device is visible here; use --device cpu or run on a {device} machine")
-    if not _under_torchrun() and ranks > count:
+    if not under_torchrun() and ranks > count:
         raise InputError(f"--device {device}: {ranks} ranks but {count} devices on this machine; launch across nodes "
                          "with your own torchrun (each rank runs `mosaic train`) or lower the world size")
 
@@ -80,18 +78,21 @@ def build_config(*, plan: Optional[Path], model: Optional[Path], layout: Optiona
         raise InputError(f"--device {device!r}: use one of {', '.join(DEVICES)}")
     if (plan is None) == (model is None):
         raise InputError("give either --plan plan.yaml or --model model.yaml with --layout")
-    plan_cluster = None
+    loaded: Optional[Plan] = None
     if plan is not None:
         if layout is not None:
             raise InputError("--layout comes from the plan; leave it out with --plan")
-        arch, lay, plan_cluster = load_plan(plan)
+        loaded = read_plan(plan)
+        arch, lay = loaded.model, loaded.layout
     else:
         if layout is None:
             raise InputError("--model needs --layout, e.g. --layout 'dp=2,ep=2,mbs=2,gbs=8'")
         arch, lay = load_model_file(model), parse_layout(layout)
     if nproc is not None and nproc < 1:
         raise InputError(f"--nproc {nproc}: must be >= 1")
-    if nproc is None and _under_torchrun():
+    from calibration.run import under_torchrun  # the one torchrun-environment rule (scipy-heavy: imported here)
+
+    if nproc is None and under_torchrun():
         nproc = int(os.environ["WORLD_SIZE"])  # launched by the user's own torchrun (multi-node, Slurm)
     if nproc is not None:
         devices = nproc
@@ -102,13 +103,19 @@ def build_config(*, plan: Optional[Path], model: Optional[Path], layout: Optiona
     resolved = check_runnable(arch, lay, devices)
     precision = trainer_precision(resolved, device)
     _check_device(device, devices)
-    from calibration.timing import default_cluster_here
+    if cluster is None and loaded is not None and loaded.cluster is not None:
+        cluster_name = loaded.cluster.source()  # the plan file's one rule: its file while it exists, else its name
+        spec, drift = cluster_of(loaded)
+        if drift and int(os.environ.get("RANK", "0")) == 0:
+            err_console.print(f"warning: {drift}", markup=False, highlight=False, soft_wrap=True)
+    else:
+        from calibration.timing import default_cluster_here
 
-    try:
-        cluster_name = cluster or plan_cluster or default_cluster_here(device)
-    except NoDefaultCluster as missing:
-        raise InputError(missing.for_option("--cluster")) from None
-    spec = load_cluster(cluster_name)
+        try:
+            cluster_name = cluster or default_cluster_here(device)
+        except NoDefaultCluster as missing:
+            raise InputError(missing.for_option("--cluster")) from None
+        spec = load_cluster(cluster_name)
     spec.accelerator.peak(precision)  # the cluster must know the compute precision's peak
     train = from_mapping(TrainOptions, options)
     return RunConfig(model=arch, layout=resolved, cluster=cluster_name, device=device, world_size=devices,
@@ -132,7 +139,9 @@ def prepare_out_dir(config: RunConfig) -> Path:
 
 def launch(config: RunConfig, run_yaml: Path) -> None:
     """torchrun for world > 1 (unless already under it); one process trains in place."""
-    if _under_torchrun() or config.world_size == 1:
+    from calibration.run import under_torchrun
+
+    if under_torchrun() or config.world_size == 1:
         from mosaic.trainer.train import run
 
         run(config)

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from mosaic.cli.common import cli_errors, console, print_json
@@ -18,6 +20,10 @@ def _pct(value: float) -> str:
 
 def _num(value: float, fmt: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+
+def _times_100(value: Optional[float]) -> Optional[float]:
+    return None if value is None else 100 * value
 
 
 def _json_value(value: Any) -> Any:
@@ -45,21 +51,26 @@ def validate(
         print_json({"runs_file": str(path), "rows": rows, "summary": summary})
         return
 
-    table = Table(title=f"predicted vs measured step time ({path.name})", show_lines=False)
-    for column, justify in (("run", "left"), ("cluster", "left"), ("dev", "right"), ("prec", "left"),
-                            ("meas. s", "right"), ("pred. s", "right"), ("error", "right"),
-                            ("MFU meas", "right"), ("MFU pred", "right"), ("flag", "left")):
-        table.add_column(column, justify=justify, no_wrap=column in ("run", "cluster"))
+    table = Table(title=f"predicted vs measured step time ({path.name})", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True, caption="step s: seconds per step, measured and predicted; error: "
+                  "(predicted - measured) / measured; MFU %: measured→predicted")
+    for column, justify in (("run", "left"), ("dev", "right"), ("prec", "left"), ("step s\nmeas.", "right"),
+                            ("step s\npred.", "right"), ("error", "right"), ("MFU %\nm→p", "right")):
+        table.add_column(column, justify=justify, no_wrap=True)
+    why: dict[str, str] = {}
+    cluster = None
     for row in frame.itertuples(index=False):
-        flag = ""
+        if row.cluster != cluster:  # one section per cluster
+            cluster = row.cluster
+            table.add_row(f"[bold]{escape(str(cluster))}[/bold]")
         if row.reason == "memory":
-            flag = f"memory {row.predicted_memory_per_device_bytes / 1e9:.0f}>{row.usable_hbm_bytes / 1e9:.0f} GB"
+            why[row.run_id] = f"memory {row.predicted_memory_per_device_bytes / 1e9:.0f}>{row.usable_hbm_bytes / 1e9:.0f} GB"
         elif row.reason:
-            flag = row.reason
+            why[row.run_id] = str(row.reason)
+        mfu = f"{_num(_times_100(row.measured_mfu), '.0f')}→{_num(_times_100(row.predicted_mfu), '.0f')}"
         table.add_row(
-            row.run_id, row.cluster, str(row.devices), row.precision,
-            _num(row.measured_step_time_s, ".3g"), _num(row.predicted_step_time_s, ".3g"), _pct(row.signed_error),
-            _num(row.measured_mfu, ".1%"), _num(row.predicted_mfu, ".1%"), flag,
+            escape(row.run_id), str(row.devices), row.precision, _num(row.measured_step_time_s, ".3g"),
+            _num(row.predicted_step_time_s, ".3g") + ("*" if row.run_id in why else ""), _pct(row.signed_error), mfu,
         )
     console.print(table)
     if summary["compared"]:
@@ -70,7 +81,7 @@ def validate(
     else:
         console.print("mean APE: n/a  max APE: n/a (no run has a step-time prediction)", highlight=False)
     if summary["predicted_infeasible"]:
-        listed = ", ".join(f"{rid} ({why})" for rid, why in summary["predicted_infeasible"].items())
-        console.print(f"predicted infeasible although they ran (still scored unless unscored): {listed}", highlight=False)
+        listed = ", ".join(f"{rid} ({why.get(rid, reason)})" for rid, reason in summary["predicted_infeasible"].items())
+        console.print(f"* predicted infeasible although they ran (still scored unless unscored): {listed}", highlight=False)
     if summary["unscored"]:
         console.print(f"unscored (no meaningful prediction): {', '.join(summary['unscored'])}", highlight=False)

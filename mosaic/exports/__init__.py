@@ -1,6 +1,7 @@
 """Exporters: a plan as Megatron-LM / MindSpeed-LLM launch scripts, a torchtitan TOML, a Slurm job.
 
-`render(plan, fmt, gpus_per_node)` returns the text of one export; each format
+`render(plan, fmt, gpus_per_node)` returns the text of one export of a
+`mosaic.planfile.Plan` (read by `mosaic.planfile.read_plan`); each format
 lives in its own module, which records the upstream version its option names
 were checked against.
 """
@@ -11,10 +12,10 @@ from typing import Optional
 
 from mosaic.exports.megatron import render_megatron
 from mosaic.exports.mindspeed import render_mindspeed
-from mosaic.exports.plan import ExportPlan, plan_from_dict, read_plan
 from mosaic.exports.slurm import render_slurm
 from mosaic.exports.torchtitan import model_differences, render_torchtitan
-from perfmodel.errors import InputError
+from mosaic.planfile import Plan, cluster_of
+from perfmodel.errors import InputError, Param
 
 FORMATS = {
     "megatron": render_megatron,
@@ -27,15 +28,24 @@ EXECUTABLE = {"megatron": True, "mindspeed": True, "torchtitan": False, "slurm":
 """Whether the export is a script (written with the executable bit)."""
 
 
-def render(plan: ExportPlan, fmt: str, gpus_per_node: Optional[int] = None) -> str:
+def render(plan: Plan, fmt: str, gpus_per_node: Optional[int] = None) -> str:
     if fmt not in FORMATS:
-        raise InputError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+        raise InputError(Param("fmt", fmt), f": use one of {', '.join(FORMATS)}")
     return FORMATS[fmt](plan, gpus_per_node)
 
 
-def warnings_for(plan: ExportPlan, fmt: str) -> list[str]:
-    """Differences between the plan's model and what the target framework builds."""
-    return model_differences(plan) if fmt == "torchtitan" else []
+def warnings_for(plan: Plan, fmt: str) -> list[str]:
+    """Differences between the plan's model and what the target framework builds, and the plan
+    file's warning when its cluster changed since planning (`PlanCluster.drift`)."""
+    notes = model_differences(plan) if fmt == "torchtitan" else []
+    if plan.cluster is not None:
+        try:
+            _, drift = cluster_of(plan)
+        except InputError:  # an unloadable cluster is node_shape's error, or gpus_per_node stands in for it
+            drift = None
+        if drift:
+            notes.append(drift)
+    return notes
 
 
-__all__ = ["EXECUTABLE", "FORMATS", "ExportPlan", "plan_from_dict", "read_plan", "render", "warnings_for"]
+__all__ = ["EXECUTABLE", "FORMATS", "render", "warnings_for"]

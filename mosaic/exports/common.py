@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mosaic import __version__
-from mosaic.exports.plan import ExportPlan
-from perfmodel.errors import InputError
+from mosaic.planfile import Plan, cluster_of
+from perfmodel.errors import InputError, Param
 
 
 @dataclass(frozen=True)
@@ -35,40 +35,39 @@ def device_kind(accelerator_name: str) -> str:
     return "cuda"  # NVIDIA, and AMD Instinct under ROCm torch, are both `cuda` devices
 
 
-def node_shape(plan: ExportPlan, gpus_per_node: Optional[int] = None) -> NodeShape:
-    """Nodes and devices per node: `--gpus-per-node` if given, else the plan cluster's node level."""
+def node_shape(plan: Plan, gpus_per_node: Optional[int] = None) -> NodeShape:
+    """Nodes and devices per node: `gpus_per_node` if given, else the plan cluster's node level
+    (the cluster by the plan file's one rule, `mosaic.planfile.cluster_of`)."""
     if gpus_per_node is not None and gpus_per_node < 1:
-        raise InputError(f"--gpus-per-node {gpus_per_node}: must be >= 1")
+        raise InputError(Param("gpus_per_node", gpus_per_node), ": must be >= 1")
     device = "cuda"
     per_node = gpus_per_node
-    note = f"--gpus-per-node {gpus_per_node}"
-    if plan.cluster_name is not None:
-        from perfmodel.clusters import load_cluster
-
+    note = "as requested"
+    if plan.cluster is not None:
         try:
-            cluster = load_cluster(plan.cluster_name)
+            cluster, drift = cluster_of(plan)
         except InputError as exc:
             if gpus_per_node is None:
-                raise InputError(f"{plan.source}: key 'cluster.name': {exc}; or pass --gpus-per-node N") from None
+                raise InputError(*exc.parts, "; or pass ", Param("gpus_per_node", "N", placeholder=True)) from None
         else:
             device = device_kind(cluster.accelerator.name)
             if per_node is None:
                 per_node = cluster.node_devices
-                note = f"cluster '{plan.cluster_name}', level '{cluster.levels[0].name}'"
-                if plan.cluster_hash and plan.cluster_hash != cluster.content_hash():
-                    note += f"; NOTE the cluster file changed since the plan (hash {plan.cluster_hash} -> " \
-                            f"{cluster.content_hash()})"
+                note = f"cluster '{plan.cluster.source()}', level '{cluster.levels[0].name}'"
+                if drift:
+                    note += f"; NOTE {drift}"
     if per_node is None:
-        raise InputError(f"{plan.source}: the plan names no cluster; pass --gpus-per-node N (devices per node)")
+        raise InputError(f"{plan.source}: the plan names no cluster; pass ", Param("gpus_per_node", "N", placeholder=True),
+                         " (devices per node)")
     if plan.devices <= per_node:
         return NodeShape(nodes=1, per_node=plan.devices, device=device, note=note)
     if plan.devices % per_node != 0:
         raise InputError(f"{plan.source}: key 'budget.devices': {plan.devices} devices do not fill whole nodes of "
-                         f"{per_node} ({note}); pass --gpus-per-node with a divisor of {plan.devices}")
+                         f"{per_node} ({note}); pass ", Param("gpus_per_node"), f" with a divisor of {plan.devices}")
     return NodeShape(nodes=plan.devices // per_node, per_node=per_node, device=device, note=note)
 
 
-def header(plan: ExportPlan, title: str, matched: Sequence[str], prefix: str = "# ") -> str:
+def header(plan: Plan, title: str, matched: Sequence[str], prefix: str = "# ") -> str:
     """Comment block naming the plan, the tool version and the upstream versions matched."""
     lay = plan.layout
     lines = [
@@ -79,8 +78,8 @@ def header(plan: ExportPlan, title: str, matched: Sequence[str], prefix: str = "
         f"tokens={plan.tokens:.4g}; devices={plan.devices}.",
         f"Layout: {lay.to_string()}",
     ]
-    if plan.cluster_name:
-        lines.append(f"Cluster: {plan.cluster_name}" + (f" (hash {plan.cluster_hash})" if plan.cluster_hash else ""))
+    if plan.cluster is not None:
+        lines.append(f"Cluster: {plan.cluster.source()}" + (f" (hash {plan.cluster.hash})" if plan.cluster.hash else ""))
     lines += [f"Option names checked against {m}" for m in matched]
     return "\n".join((prefix + line).rstrip() for line in lines) + "\n"
 

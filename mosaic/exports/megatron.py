@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mosaic.exports.common import bash_array, header, node_shape
-from mosaic.exports.plan import ExportPlan
+from mosaic.planfile import Plan
 
 MEGATRON_MATCHED = ("NVIDIA/Megatron-LM commit d98e8a64ddf3 (2026-08-22, megatron-core 0.20.0), "
                     "megatron/training/arguments.py")
@@ -57,7 +57,7 @@ def moe_layer_pattern(n_layers: int, n_dense_layers: int) -> str:
     return f"([0]*{n_dense_layers}+[1]*{n_layers - n_dense_layers})"
 
 
-def model_args(plan: ExportPlan) -> list[str]:
+def model_args(plan: Plan) -> list[str]:
     m = plan.model
     args = ["--num-layers", str(m.n_layers), "--hidden-size", str(m.d_model),
             "--num-attention-heads", str(m.n_heads), "--kv-channels", str(m.head_dim)]
@@ -74,7 +74,7 @@ def model_args(plan: ExportPlan) -> list[str]:
     return args
 
 
-def expert_args(plan: ExportPlan) -> list[str]:
+def expert_args(plan: Plan) -> list[str]:
     """Expert count, top-k and widths: the MoE flags Megatron and MindSpeed-LLM share."""
     m = plan.model
     args = ["--num-experts", str(m.n_experts), "--moe-router-topk", str(m.top_k),
@@ -84,7 +84,7 @@ def expert_args(plan: ExportPlan) -> list[str]:
     return args
 
 
-def moe_args(plan: ExportPlan, dispatcher: str = "alltoall") -> list[str]:
+def moe_args(plan: Plan, dispatcher: str = "alltoall") -> list[str]:
     m = plan.model
     if m.n_experts == 0:
         return []
@@ -95,7 +95,7 @@ def moe_args(plan: ExportPlan, dispatcher: str = "alltoall") -> list[str]:
     return args
 
 
-def parallel_args(plan: ExportPlan, fsdp_args: tuple[str, ...]) -> list[str]:
+def parallel_args(plan: Plan, fsdp_args: tuple[str, ...]) -> list[str]:
     lay, m = plan.layout, plan.model
     args = ["--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp)]
     if lay.vpp > 1:
@@ -112,7 +112,7 @@ def parallel_args(plan: ExportPlan, fsdp_args: tuple[str, ...]) -> list[str]:
     return args
 
 
-def recompute_args(plan: ExportPlan) -> list[str]:
+def recompute_args(plan: Plan) -> list[str]:
     mode = plan.layout.recompute
     if mode == "selective":
         return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
@@ -121,7 +121,7 @@ def recompute_args(plan: ExportPlan) -> list[str]:
     return []
 
 
-def precision_args(plan: ExportPlan) -> list[str]:
+def precision_args(plan: Plan) -> list[str]:
     return {
         "fp32": [],
         "bf16": ["--bf16"],
@@ -131,7 +131,7 @@ def precision_args(plan: ExportPlan) -> list[str]:
     }[plan.layout.precision]
 
 
-def batch_args(plan: ExportPlan) -> list[str]:
+def batch_args(plan: Plan) -> list[str]:
     lay = plan.layout
     return ["--micro-batch-size", str(lay.mbs), "--global-batch-size", str(lay.gbs),
             "--train-iters", str(plan.train_iters)]
@@ -142,7 +142,7 @@ MEGATRON_FSDP = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "op
 """Megatron-FSDP v1 needs the distributed optimizer and the fsdp_dtensor checkpoint format (validate_args)."""
 
 
-def pretrain_gpt_groups(plan: ExportPlan, moe: list[str], fsdp: Any) -> list[ArgGroup]:
+def pretrain_gpt_groups(plan: Plan, moe: list[str], fsdp: Any) -> list[ArgGroup]:
     """The plan-derived groups of a Megatron `pretrain_gpt.py` (also MindSpeed-LLM's), given the MoE flags."""
     return [
         ArgGroup("MODEL_ARGS", "model geometry (plan: model)", tuple(model_args(plan))),
@@ -156,17 +156,17 @@ def pretrain_gpt_groups(plan: ExportPlan, moe: list[str], fsdp: Any) -> list[Arg
     ]
 
 
-def megatron_groups(plan: ExportPlan) -> list[ArgGroup]:
+def megatron_groups(plan: Plan) -> list[ArgGroup]:
     """The plan-derived argument groups (everything the plan decides)."""
     return [g for g in pretrain_gpt_groups(plan, list(moe_args(plan)), MEGATRON_FSDP) if g.args]
 
 
-def megatron_argv(plan: ExportPlan) -> list[str]:
+def megatron_argv(plan: Plan) -> list[str]:
     """Flat list of the plan-derived `pretrain_gpt.py` arguments."""
     return [word for group in megatron_groups(plan) for word in group.args]
 
 
-def launch_script(plan: ExportPlan, *, title: str, matched: tuple[str, ...], groups: list[ArgGroup],
+def launch_script(plan: Plan, *, title: str, matched: tuple[str, ...], groups: list[ArgGroup],
                    env_lines: list[str], fixed_groups: str, entry: str, per_node_var: str,
                    gpus_per_node: Optional[int]) -> str:
     shape = node_shape(plan, gpus_per_node)
@@ -207,14 +207,14 @@ def launch_script(plan: ExportPlan, *, title: str, matched: tuple[str, ...], gro
     return "".join(parts)
 
 
-def cuda_connections_line(plan: ExportPlan) -> str:
+def cuda_connections_line(plan: Plan) -> str:
     """Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tp/cp > 1 (Hopper), and != 1 with FSDP."""
     if plan.layout.dp_flavor == "fsdp":
         return "unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron-FSDP requires it unset or > 1"
     return "export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron requires 1 with tp or cp > 1 (before Blackwell)"
 
 
-def render_megatron(plan: ExportPlan, gpus_per_node: Optional[int] = None) -> str:
+def render_megatron(plan: Plan, gpus_per_node: Optional[int] = None) -> str:
     """A bash launch script for Megatron-LM's pretrain_gpt.py with the plan's arguments."""
     shape = node_shape(plan, gpus_per_node)
     env = [

@@ -39,7 +39,7 @@ from typing import Optional
 
 from mosaic.exports.common import bash_array
 from mosaic.exports.megatron import ArgGroup, expert_args, launch_script, pretrain_gpt_groups
-from mosaic.exports.plan import ExportPlan
+from mosaic.planfile import Plan
 from perfmodel.errors import InputError
 
 MINDSPEED_MATCHED = (
@@ -53,7 +53,7 @@ MINDSPEED_FSDP = ("--use-custom-fsdp", "--data-parallel-sharding-strategy", "opt
 """MindSpeed's documented custom-FSDP flags (--no-gradient-accumulation-fusion is always in MINDSPEED_ARGS)."""
 
 
-def _check_supported(plan: ExportPlan) -> None:
+def _check_supported(plan: Plan) -> None:
     lay, m = plan.layout, plan.model
     if lay.precision in ("fp8", "mxfp8"):
         raise InputError(f"{plan.source}: key 'layout.precision': {lay.precision} is not exported for MindSpeed-LLM "
@@ -63,7 +63,7 @@ def _check_supported(plan: ExportPlan) -> None:
                          f"of dense layers ({m.n_dense_layers} >= n_layers/pp = {m.n_layers // lay.pp}); lower pp")
 
 
-def mindspeed_moe_args(plan: ExportPlan) -> list[str]:
+def mindspeed_moe_args(plan: Plan) -> list[str]:
     m = plan.model
     if m.n_experts == 0:
         return []
@@ -76,7 +76,7 @@ def mindspeed_moe_args(plan: ExportPlan) -> list[str]:
     return args
 
 
-def mindspeed_fused_args(plan: ExportPlan) -> list[str]:
+def mindspeed_fused_args(plan: Plan) -> list[str]:
     args = ["--use-mcore-models", "--transformer-impl", "local", "--use-flash-attn", "--use-fused-rmsnorm",
             "--use-fused-rotary-pos-emb"]
     if plan.model.gated_ffn:
@@ -85,7 +85,7 @@ def mindspeed_fused_args(plan: ExportPlan) -> list[str]:
     return args
 
 
-def mindspeed_groups(plan: ExportPlan) -> list[ArgGroup]:
+def mindspeed_groups(plan: Plan) -> list[ArgGroup]:
     """Plan-derived groups for MindSpeed-LLM's pretrain_gpt.py."""
     _check_supported(plan)
     groups = pretrain_gpt_groups(plan, list(mindspeed_moe_args(plan)), MINDSPEED_FSDP)
@@ -93,11 +93,11 @@ def mindspeed_groups(plan: ExportPlan) -> list[ArgGroup]:
     return [g for g in groups if g.args]
 
 
-def mindspeed_argv(plan: ExportPlan) -> list[str]:
+def mindspeed_argv(plan: Plan) -> list[str]:
     return [word for group in mindspeed_groups(plan) for word in group.args]
 
 
-def render_mindspeed(plan: ExportPlan, gpus_per_node: Optional[int] = None) -> str:
+def render_mindspeed(plan: Plan, gpus_per_node: Optional[int] = None) -> str:
     """A bash launch script for MindSpeed-LLM's pretrain_gpt.py with the plan's arguments."""
     from mosaic.exports.common import node_shape
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from mosaic.exports.common import header, node_shape, shell_word
-from mosaic.exports.plan import ExportPlan
+from mosaic.planfile import Plan
 
 SLURM_MATCHED = (
     "SchedMD/slurm commit 284c3b95f08a (Slurm 26.11.0) doc/man/man1/{sbatch,srun,scontrol}.1",
@@ -31,7 +31,7 @@ SLURM_MATCHED = (
 )
 
 
-def render_slurm(plan: ExportPlan, gpus_per_node: Optional[int] = None, plan_path: Optional[str] = None) -> str:
+def render_slurm(plan: Plan, gpus_per_node: Optional[int] = None, plan_path: Optional[str] = None) -> str:
     """The sbatch script; `plan_path` is the plan file the job reads (default: the plan's absolute path)."""
     shape = node_shape(plan, gpus_per_node)
     path = plan_path or str(Path(plan.source).resolve())

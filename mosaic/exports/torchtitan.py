@@ -42,7 +42,7 @@ from typing import Any, Optional
 import yaml
 
 from mosaic.exports.common import header
-from mosaic.exports.plan import ExportPlan
+from mosaic.planfile import Plan
 from perfmodel.errors import InputError
 from perfmodel.specs.strict import to_mapping
 
@@ -50,13 +50,13 @@ TORCHTITAN_MATCHED = "pytorch/torchtitan tag v0.2.2 (73a0e6979dd1, 2026-02-20), 
 ROPE_THETA = 10000.0  # the bundled trainer's RoPE base (mosaic/trainer/model.py)
 
 
-def flavor_name(plan: ExportPlan) -> str:
+def flavor_name(plan: Plan) -> str:
     """Stable flavor name from the model geometry."""
     text = yaml.safe_dump(to_mapping(plan.model), sort_keys=True)
     return "mosaic_" + hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def qwen3_model_args(plan: ExportPlan) -> dict[str, Any]:
+def qwen3_model_args(plan: Plan) -> dict[str, Any]:
     """Keyword arguments of torchtitan's Qwen3ModelArgs for the plan's model (MoEArgs as a dict)."""
     m = plan.model
     args: dict[str, Any] = {
@@ -73,7 +73,7 @@ def qwen3_model_args(plan: ExportPlan) -> dict[str, Any]:
     return args
 
 
-def model_differences(plan: ExportPlan) -> list[str]:
+def model_differences(plan: Plan) -> list[str]:
     """What torchtitan's Qwen3 builds differently from the plan's model."""
     m, lay = plan.model, plan.layout
     notes = []
@@ -103,7 +103,7 @@ def _python_call(name: str, kwargs: dict[str, Any], indent: str = "    ") -> lis
     return lines
 
 
-def flavor_module(plan: ExportPlan) -> str:
+def flavor_module(plan: Plan) -> str:
     """Python module registering a train spec for the plan's model (for [experimental] custom_import).
 
     torchtitan v0.2.2 takes geometry from registered model args; its qwen3 train spec has no
@@ -133,13 +133,13 @@ def flavor_module(plan: ExportPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parallel_degrees(plan: ExportPlan) -> dict[str, Any]:
+def parallel_degrees(plan: Plan) -> dict[str, Any]:
     """The [parallelism] table (without pipeline keys)."""
     lay = plan.layout
     dp = int(lay.dp)
     if lay.ep > 1 and lay.etp not in (1, lay.tp):
         raise InputError(f"{plan.source}: key 'layout.etp': torchtitan supports etp = 1 or etp = tp "
-                         f"(tp={lay.tp}), got {lay.etp}; use etp=1 or etp=tp for --format torchtitan")
+                         f"(tp={lay.tp}), got {lay.etp}; use etp=1 or etp=tp for torchtitan")
     replicate, shard = 1, dp
     if lay.dp_flavor == "ddp":
         shard = next(k for k in range(1, dp + 1)
@@ -153,7 +153,7 @@ def parallel_degrees(plan: ExportPlan) -> dict[str, Any]:
     return table
 
 
-def job_tables(plan: ExportPlan) -> dict[str, dict[str, Any]]:
+def job_tables(plan: Plan) -> dict[str, dict[str, Any]]:
     """The TOML as nested tables (section -> key -> value)."""
     lay, m = plan.layout, plan.model
     if lay.precision == "fp16":
@@ -214,7 +214,7 @@ def _toml_value(value: Any) -> str:
     raise AssertionError(f"no TOML form for {value!r}")
 
 
-def render_torchtitan(plan: ExportPlan, gpus_per_node: Optional[int] = None) -> str:
+def render_torchtitan(plan: Plan, gpus_per_node: Optional[int] = None) -> str:
     """The job TOML, with the flavor registration and any model differences in the header."""
     tables = job_tables(plan)
     lines = [header(plan, "torchtitan job config for a MOSAIC plan (run: ./run_train.sh "

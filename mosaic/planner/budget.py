@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from perfmodel.errors import InputError
+from perfmodel.errors import InputError, Param
 from perfmodel.specs.cluster import ClusterSpec
 
 DEFAULT_DAYS = 20.0
@@ -42,20 +42,20 @@ def make_budget(cluster: ClusterSpec, devices: Optional[int] = None, days: Optio
                 hours: Optional[float] = None) -> Budget:
     """Defaults: the cluster file's device count and 20 days."""
     if days is not None and hours is not None:
-        raise InputError("give --days or --hours, not both")
+        raise InputError("give ", Param("days"), " or ", Param("hours"), ", not both")
     n = cluster.devices if devices is None else int(devices)
     if n < 1:
-        raise InputError(f"--devices {n}: must be >= 1")
+        raise InputError(Param("devices", n), ": must be >= 1")
     if n > cluster.devices:
-        raise InputError(f"--devices {n} exceeds cluster '{cluster.name}' size {cluster.devices}; "
+        raise InputError(Param("devices", n), f" exceeds cluster '{cluster.name}' size {cluster.devices}; "
                          "use at most the cluster's count or edit its 'devices' key")
     if hours is not None:
         if not hours > 0:
-            raise InputError(f"--hours {hours}: must be > 0")
+            raise InputError(Param("hours", hours), ": must be > 0")
         return Budget(devices=n, wall_time_s=float(hours) * 3600.0, hours=float(hours))
     days = DEFAULT_DAYS if days is None else float(days)
     if not days > 0:
-        raise InputError(f"--days {days}: must be > 0")
+        raise InputError(Param("days", days), ": must be > 0")
     return Budget(devices=n, wall_time_s=days * SECONDS_PER_DAY, days=days)
 
 

@@ -30,11 +30,10 @@ from typing import Any, Optional
 import numpy as np
 
 import perfmodel
-from mosaic.planner.space import global_batch
 from perfmodel.memory import stage_memory
 from perfmodel.specs.architecture import ArchBatch
 from perfmodel.specs.cluster import ClusterSpec
-from perfmodel.specs.layout import LAYOUT_FIELDS, RECOMPUTE_MODES, LayoutBatch
+from perfmodel.specs.layout import LAYOUT_FIELDS, RECOMPUTE_MODES, LayoutBatch, gbs_holding_tokens
 from perfmodel.validity import valid_mask
 
 REASONS = perfmodel.REASONS
@@ -90,11 +89,48 @@ class GeometryResults:
     n_valid: np.ndarray
     n_memory_ok: np.ndarray
     n_timed: np.ndarray
+    evaluation_row: np.ndarray
+    """Row of `evaluations` with the best layout's whole prediction (-1: no feasible layout)."""
+    evaluations: Optional[perfmodel.EvalResult] = None
+    """`perfmodel.evaluate` of the best layouts, as the search computed them (carried out, not redone)."""
+
+    def evaluation(self, i: int) -> dict[str, Any]:
+        """The search's `EvalResult.row` of geometry position `i`'s best layout."""
+        row = int(self.evaluation_row[i])
+        if row < 0 or self.evaluations is None:
+            raise ValueError(f"geometry position {i} has no feasible layout")
+        return self.evaluations.row(row)
 
     @staticmethod
     def concat(parts: list[GeometryResults]) -> GeometryResults:
-        return GeometryResults(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
-                                  for f in dataclasses.fields(GeometryResults)})
+        arrays = {name: np.concatenate([getattr(p, name) for p in parts]) for name in _ARRAY_FIELDS}
+        rows, stores, offset = [], [], 0
+        for p in parts:
+            rows.append(np.where(p.evaluation_row >= 0, p.evaluation_row + offset, -1))
+            if p.evaluations is not None and len(p.evaluations):
+                stores.append(p.evaluations)
+                offset += len(p.evaluations)
+        store = perfmodel.EvalResult.concat(stores) if stores else None
+        return GeometryResults(**arrays, evaluation_row=np.concatenate(rows).astype(np.int64), evaluations=store)
+
+    @staticmethod
+    def empty() -> GeometryResults:
+        return GeometryResults(**{name: np.zeros(0) for name in _ARRAY_FIELDS},
+                               evaluation_row=np.zeros(0, dtype=np.int64))
+
+    def take(self, index: np.ndarray) -> GeometryResults:
+        """The geometries at positions `index` (an integer array); their evaluations go with them."""
+        arrays = {name: np.asarray(getattr(self, name))[index] for name in _ARRAY_FIELDS}
+        rows = np.asarray(self.evaluation_row)[index]
+        has = rows >= 0
+        store = self.evaluations.take(rows[has]) if self.evaluations is not None and np.any(has) else None
+        new_rows = np.full(len(rows), -1, dtype=np.int64)
+        new_rows[has] = np.arange(int(has.sum()))
+        return GeometryResults(**arrays, evaluation_row=new_rows, evaluations=store)
+
+
+_ARRAY_FIELDS = tuple(f.name for f in dataclasses.fields(GeometryResults)
+                      if f.name not in ("evaluation_row", "evaluations"))
 
 
 class PairEvaluator:
@@ -134,7 +170,7 @@ class PairEvaluator:
         lay_i = np.tile(np.arange(n_l), len(geo_index))
         archs = self.archs.take(g)
         lays = self.grid.take(lay_i)
-        lays = dataclasses.replace(lays, gbs=global_batch(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
+        lays = dataclasses.replace(lays, gbs=gbs_holding_tokens(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
         return archs, lays, g, lay_i
 
     def run(self, geo_index: np.ndarray, progress: Optional[ProgressFn] = None) -> GeometryResults:
@@ -173,6 +209,7 @@ class PairEvaluator:
         tokens = np.zeros(n_g * n_l)
         mfu = np.zeros(n_g * n_l)
         step = np.full(n_g * n_l, np.inf)
+        res = None
         if len(t_idx):
             res = perfmodel.evaluate(archs.take(t_idx), lays.take(t_idx), self.cluster, self.devices)
             ok = res.feasible
@@ -190,6 +227,13 @@ class PairEvaluator:
         best_layout = np.where(has_best, best, -1)
         flat_best = rows * n_l + best
         min_mem_l = np.argmin(mem_m, axis=1)
+        evaluation_row = np.full(n_g, -1, dtype=np.int64)
+        evaluations = None
+        if res is not None and np.any(has_best):
+            position = np.full(n_g * n_l, -1, dtype=np.int64)
+            position[t_idx] = np.arange(len(t_idx))
+            evaluations = res.take(position[flat_best[has_best]])
+            evaluation_row[has_best] = np.arange(int(has_best.sum()))
         return GeometryResults(
             index=geo_index,
             best_layout=best_layout,
@@ -203,6 +247,8 @@ class PairEvaluator:
             n_valid=valid_m.sum(axis=1),
             n_memory_ok=fits.sum(axis=1),
             n_timed=todo.sum(axis=1),
+            evaluation_row=evaluation_row,
+            evaluations=evaluations,
         )
 
     def layout(self, layout_index: int, gbs: int) -> Any:

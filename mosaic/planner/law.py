@@ -14,7 +14,7 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from perfmodel.errors import InputError, SolverError
+from perfmodel.errors import InputError, Param, SolverError
 from perfmodel.specs.architecture import granularity, sparsity, total_params
 
 
@@ -84,8 +84,8 @@ def tokens_term(law: Law, archs: Any, d_ref: float = 1.0e12) -> TokensTerm:
     constant = f[1] - coef * d_ref ** -exponent
     rebuilt = constant[None, :] + coef * probe[:, None] ** -exponent
     if not np.allclose(rebuilt, f, rtol=1e-9, atol=1e-12):
-        raise SolverError(f"law '{law.name}' is not of the form K(N, S, G) + b/D^beta, which the MINLP needs; "
-                          "use --solver enumerate")
+        raise SolverError(f"law '{law.name}' is not of the form K(N, S, G) + b/D^beta, which the MINLP needs; use ",
+                          Param("solver", "enumerate"))
     return TokensTerm(constant=constant, coef=float(coef), exponent=float(exponent))
 
 

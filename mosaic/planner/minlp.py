@@ -41,8 +41,9 @@ import numpy as np
 import perfmodel
 from mosaic.planner import law as lawmod
 from mosaic.planner.candidates import GeometryResults
-from mosaic.planner.enumerate import Problem, Ranked
-from perfmodel.errors import SolverError
+from mosaic.planner.enumerate import Ranked
+from mosaic.planner.problem import Problem
+from perfmodel.errors import Param, SolverError
 
 D_SCALE = 1.0e12
 """Tokens per unit of the D variable (keeps the model well scaled)."""
@@ -65,18 +66,31 @@ class PairTable:
     memory_bytes: np.ndarray
     mfu: np.ndarray
     step_time_s: np.ndarray
+    evaluations: Optional[perfmodel.EvalResult] = None
+    """`perfmodel.evaluate` of each pair (row for row), carried to the plan."""
 
     def __len__(self) -> int:
         return len(self.geometry)
 
     def take(self, idx: np.ndarray) -> PairTable:
-        return PairTable(**{k: np.asarray(v)[idx] for k, v in vars(self).items()})
+        arrays = {k: np.asarray(getattr(self, k))[idx] for k in _PAIR_ARRAYS}
+        return PairTable(**arrays, evaluations=None if self.evaluations is None else self.evaluations.take(idx))
+
+    @staticmethod
+    def concat(parts: list[PairTable]) -> PairTable:
+        arrays = {k: np.concatenate([getattr(p, k) for p in parts]) for k in _PAIR_ARRAYS}
+        stores = [p.evaluations for p in parts if p.evaluations is not None]
+        return PairTable(**arrays, evaluations=perfmodel.EvalResult.concat(stores) if stores else None)
+
+
+_PAIR_ARRAYS = ("geometry", "layout", "gbs", "tokens_per_s", "memory_bytes", "mfu", "step_time_s")
 
 
 def pair_table(problem: Problem, geometries: Optional[np.ndarray] = None,
                progress: Optional[Callable[[int], None]] = None, reduce: bool = True) -> PairTable:
     """Every valid pair that `evaluate` times (memory-infeasible ones included, the MINLP's
-    memory row excludes them), then the (tokens/s, memory) Pareto front per geometry."""
+    memory row excludes them), then the (tokens/s, memory) Pareto front per geometry (taken
+    per chunk as well: a chunk holds whole geometries, so the front is the same)."""
     ev = problem.evaluator
     index = np.arange(len(problem.geoms)) if geometries is None else np.asarray(geometries, dtype=np.int64)
     per_chunk = max(1, 65536 // max(len(ev.grid), 1))
@@ -89,14 +103,15 @@ def pair_table(problem: Problem, geometries: Optional[np.ndarray] = None,
             res = perfmodel.evaluate(archs.take(valid), lays.take(valid), ev.cluster, ev.devices)
             usable = (res.reason == perfmodel.REASONS.index("ok")) | (res.reason == perfmodel.REASONS.index("memory"))
             keep = valid[usable]
-            parts.append(PairTable(geometry=g[keep], layout=lay_i[keep], gbs=np.asarray(lays.gbs)[keep],
-                                   tokens_per_s=res.tokens_per_s[usable], memory_bytes=res.memory_per_device_bytes[usable],
-                                   mfu=res.mfu[usable], step_time_s=res.step_time_s[usable]))
+            part = PairTable(geometry=g[keep], layout=lay_i[keep], gbs=np.asarray(lays.gbs)[keep],
+                             tokens_per_s=res.tokens_per_s[usable], memory_bytes=res.memory_per_device_bytes[usable],
+                             mfu=res.mfu[usable], step_time_s=res.step_time_s[usable], evaluations=res.take(usable))
+            parts.append(pareto(part) if reduce else part)
         if progress is not None:
             progress(len(chunk) * len(ev.grid))
     if not parts:
         return PairTable(*(np.zeros(0, dtype=t) for t in (np.int64, np.int64, np.int64, float, float, float, float)))
-    table = PairTable(**{k: np.concatenate([getattr(p, k) for p in parts]) for k in vars(parts[0])})
+    table = PairTable.concat(parts)
     return pareto(table) if reduce else table
 
 
@@ -226,7 +241,7 @@ def _quiet_available(name: str) -> bool:
 def solve_model(model: Any, solver: str, time_limit_s: float = 300.0) -> Solution:
     ok, why = solver_available(solver)
     if not ok:
-        raise SolverError(f"--solver {solver}: {why}; or use --solver enumerate")
+        raise SolverError(Param("solver", solver), f": {why}; or use ", Param("solver", "enumerate"))
     t0 = time.perf_counter()
     if solver == "scip":
         status, gap, values, objective = _solve_scip(model, time_limit_s)
@@ -236,7 +251,8 @@ def solve_model(model: Any, solver: str, time_limit_s: float = 300.0) -> Solutio
     seconds = time.perf_counter() - t0
     x = np.asarray([values.get(f"x[{p}]", 0.0) for p in range(len(model.x))])
     if status not in ("optimal", "gaplimit") or x.size == 0 or x.max() < 0.5:
-        raise SolverError(f"--solver {solver}: no optimal solution (status {status}); use --solver enumerate")
+        raise SolverError(Param("solver", solver), f": no optimal solution (status {status}); use ",
+                          Param("solver", "enumerate"))
     return Solution(choice=int(np.argmax(x)), objective=float(objective), tokens=float(values["D"]) * D_SCALE,
                     status=status, gap=gap, seconds=seconds, solver=solver)
 
@@ -332,7 +348,7 @@ def solve_cluster_optimal(problem: Problem, solver: str, top: int = 10,
     """MINLP optimum first, then the other geometries of the same data ranked by loss."""
     ok, why = solver_available(solver)
     if not ok:
-        raise SolverError(f"--solver {solver}: {why}; or use --solver enumerate")
+        raise SolverError(Param("solver", solver), f": {why}; or use ", Param("solver", "enumerate"))
     report: dict[str, Any] = {}
     if geometries is None and presolve:
         geometries, report = presolve_geometries(problem)
@@ -373,15 +389,14 @@ def presolve_geometries(problem: Problem, incumbent_geometries: int = 64) -> tup
 def _ranked_from_table(problem: Problem, table: PairTable, first: Optional[PairTable]) -> Ranked:
     """Best feasible pair per geometry ranked by loss; the solver's choice (if any) first."""
     if len(table) == 0:
-        empty = GeometryResults(**{k: np.zeros(0) for k in GeometryResults.__dataclass_fields__})
+        empty = GeometryResults.empty()
         return Ranked(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0), empty, 0, 0, len(problem.geoms))
     order = np.lexsort((-table.tokens_per_s, table.geometry))
     t = table.take(order)
     head = np.flatnonzero(np.r_[True, t.geometry[1:] != t.geometry[:-1]])
     best = t.take(head)
     if first is not None:
-        best = PairTable(**{k: np.r_[getattr(first, k), getattr(best, k)[best.geometry != first.geometry[0]]]
-                            for k in vars(best)})
+        best = PairTable.concat([first, best.take(np.flatnonzero(best.geometry != first.geometry[0]))])
     tokens = problem.tokens_in_budget(best.tokens_per_s)
     loss = lawmod.loss(problem.law, problem.geoms.archs.take(best.geometry), tokens)
     rank = np.lexsort((best.geometry, loss))
@@ -391,7 +406,9 @@ def _ranked_from_table(problem: Problem, table: PairTable, first: Optional[PairT
                           tokens_per_s=best.tokens_per_s[rank], mfu=best.mfu[rank], step_time_s=best.step_time_s[rank],
                           memory_bytes=best.memory_bytes[rank], min_memory_bytes=best.memory_bytes[rank],
                           min_memory_layout=best.layout[rank], n_valid=np.zeros(len(rank)), n_memory_ok=np.zeros(len(rank)),
-                          n_timed=np.zeros(len(rank)))
+                          n_timed=np.zeros(len(rank)),
+                          evaluation_row=np.arange(len(rank), dtype=np.int64) if best.evaluations is not None else np.full(len(rank), -1),
+                          evaluations=best.evaluations.take(rank) if best.evaluations is not None else None)
     return Ranked(best.geometry[rank], loss[rank], tokens[rank], res, len(np.unique(best.geometry)), len(table), 0)
 
 

@@ -4,8 +4,8 @@
 cluster-optimal (fixed deliverable compute, memory enforced), compute-optimal
 (fixed C_model at the nominal MFU, systems ignored) with what that choice
 really costs on this cluster, the top alternatives, and the binding
-constraint. `plan_to_dict` / `write_plan` give the plan YAML (version 1) that
-`mosaic train --plan` reads (`model` and `layout` are the spec keys).
+constraint. `PlanResult.to_plan()` is the plan file's content (`mosaic.planfile`):
+the cluster-optimal choice as model, layout and tokens, the rest as its report.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-import perfmodel
 from mosaic import __version__
+from mosaic.planfile import Plan, PlanBudget, PlanCluster, PlanFit
 from mosaic.planner import law as lawmod
-from mosaic.planner.enumerate import Problem, Ranked, rank_cluster_optimal, rank_compute_optimal
-from perfmodel.errors import InfeasibleError, InputError
+from mosaic.planner.enumerate import Ranked, rank_cluster_optimal, rank_compute_optimal
+from mosaic.planner.problem import Problem
+from perfmodel.errors import InfeasibleError, InputError, Param
 from perfmodel.specs.architecture import (
     ARCH_FIELDS,
     MoEArchitecture,
@@ -33,9 +34,8 @@ from perfmodel.specs.architecture import (
     total_params,
 )
 from perfmodel.specs.layout import LAYOUT_FIELDS, ParallelLayout
-from perfmodel.specs.strict import write_yaml_atomic
+from perfmodel.specs.strict import plain
 
-PLAN_VERSION = 1
 SOLVERS = ("enumerate", "scip", "bonmin", "mindtpy")
 MEMORY_TIGHT = 0.05
 """Headroom below which the plan's own memory is reported as binding too."""
@@ -82,18 +82,34 @@ class PlanResult:
     extra: dict[str, Any] = field(default_factory=dict)
     """Sensitivity and bootstrap results when asked for."""
 
+    def to_plan(self) -> Plan:
+        """The plan file's content: the cluster-optimal choice, its cluster, fit and budget, and
+        the report (predictions, derived sizes, the compute-optimal side, binding constraint,
+        alternatives, search statistics, analysis)."""
+        p = self.problem
+        chosen = self.cluster_optimal
+        report = {
+            "predicted": chosen.predicted,
+            "derived": {k: v for k, v in model_dict(chosen.arch).items() if k not in ARCH_FIELDS},
+            "compute_optimal": self.compute_optimal.as_dict(),
+            "binding": self.binding,
+            "alternatives": [a.as_dict() for a in self.alternatives],
+            "search": self.search,
+            **({"analysis": self.extra} if self.extra else {}),
+        }
+        return Plan(model=chosen.arch, layout=chosen.layout, budget=PlanBudget(**p.budget.as_dict()),
+                    tokens=float(chosen.tokens),
+                    cluster=PlanCluster(name=p.cluster.name, hash=p.cluster.content_hash(), file=p.cluster_file),
+                    fit=PlanFit(name=getattr(p.law, "name", "law"), hash=p.law.content_hash()),
+                    tool_version=__version__, report=plain(report))
 
-def _evaluate_row(problem: Problem, arch: MoEArchitecture, layout: ParallelLayout) -> dict[str, Any]:
-    res = perfmodel.evaluate(arch, layout, problem.cluster, problem.budget.devices)
-    return res.row(0)
 
-
-def predicted_for(problem: Problem, arch: MoEArchitecture, layout: ParallelLayout, tokens: Optional[float] = None) -> dict[str, Any]:
-    """`mosaic predict` keys plus loss, tokens, wall time, model and deliverable FLOPs, goodput."""
-    row = _evaluate_row(problem, arch, layout)
+def predicted_from(problem: Problem, arch: MoEArchitecture, layout: ParallelLayout,
+                   row: dict[str, Any]) -> dict[str, Any]:
+    """`mosaic predict` keys (`row`: the search's `EvalResult.row` of this pair) plus loss, tokens,
+    wall time, model and deliverable FLOPs, goodput; tokens D = tokens/s x eta_good x wall time."""
     wall = problem.budget.wall_time_s
-    tokens_budget = float(problem.tokens_in_budget(row["tokens_per_s"] or 0.0)) if row["feasible"] else 0.0
-    tokens = tokens_budget if tokens is None else float(tokens)
+    tokens = float(problem.tokens_in_budget(row["tokens_per_s"] or 0.0)) if row["feasible"] else 0.0
     fpt = float(model_flops_per_token(arch))
     peak = problem.cluster.accelerator.peak(layout.precision)
     deliverable = problem.budget.devices * peak * (row["mfu"] or 0.0) * problem.eta * wall
@@ -119,7 +135,7 @@ def _choice_from_ranked(problem: Problem, ranked: Ranked, i: int) -> Choice:
     assert res is not None
     layout = problem.evaluator.layout(res.best_layout[i], res.best_gbs[i])
     arch = _geometry(problem, g)
-    return Choice(arch, layout, float(ranked.tokens[i]), predicted_for(problem, arch, layout))
+    return Choice(arch, layout, float(ranked.tokens[i]), predicted_from(problem, arch, layout, res.evaluation(i)))
 
 
 def compute_optimal_choice(problem: Problem, co: Ranked) -> Choice:
@@ -141,7 +157,7 @@ def compute_optimal_choice(problem: Problem, co: Ranked) -> Choice:
     layout = None
     if res.best_layout[0] >= 0:
         layout = problem.evaluator.layout(res.best_layout[0], res.best_gbs[0])
-        real = predicted_for(problem, arch, layout)
+        real = predicted_from(problem, arch, layout, res.evaluation(0))
         tokens_per_s = real["tokens_per_s"]
         days_needed = tokens / (tokens_per_s * problem.eta) / 86400.0
         on_cluster = {
@@ -207,7 +223,7 @@ def infeasible_error(problem: Problem, ranked: Ranked) -> InfeasibleError:
         return InfeasibleError(
             f"no valid layout: no tp/pp/ep/etp of the search space fits {problem.budget.devices} devices and the "
             "geometries (divisibility rules); nearest relaxation: add tp/pp/ep values that divide the device count "
-            "and the head/expert counts to the space (--space)")
+            "and the head/expert counts to the search space (", Param("space"), ")")
     j = int(np.argmin(res.min_memory_bytes))
     need = float(res.min_memory_bytes[j])
     arch = _geometry(problem, int(res.index[j]))
@@ -215,13 +231,13 @@ def infeasible_error(problem: Problem, ranked: Ranked) -> InfeasibleError:
         f"memory binds: every candidate needs more than the usable HBM ({hbm / 1e9:.1f} GB per device); the smallest "
         f"needs {need / 1e9:.1f} GB (d_model={arch.d_model}, n_layers={arch.n_layers}, n_experts={arch.n_experts}); "
         f"nearest feasible relaxation: usable HBM >= {need / 1e9:.1f} GB, or smaller geometries in the space "
-        "(geometry.active_params / d_model), or more devices (--devices)")
+        "(geometry.active_params / d_model), or more devices (", Param("devices"), ")")
 
 
 def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: Optional[Callable[[int], None]] = None,
           workers: int = 1) -> PlanResult:
     if solver not in SOLVERS:
-        raise InputError(f"--solver {solver!r} is unknown; use one of {', '.join(SOLVERS)}")
+        raise InputError(Param("solver", solver), f" is unknown; use one of {', '.join(SOLVERS)}")
     if len(problem.geoms) == 0:
         raise InfeasibleError("the search space has no geometry in its active-parameter band; nearest relaxation: "
                               "widen geometry.active_params or tokens_per_param, or add d_model/n_layers values")
@@ -254,79 +270,4 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
     return PlanResult(problem, chosen, co_choice, alternatives, binding, search)
 
 
-# ---------------------------------------------------------------------------
-# The plan file.
-
-def plan_to_dict(result: PlanResult) -> dict[str, Any]:
-    p = result.problem
-    law = p.law
-    chosen = result.cluster_optimal
-    return {
-        "version": PLAN_VERSION,
-        "tool_version": __version__,
-        "cluster": {"name": p.cluster.name, "hash": p.cluster.content_hash(),
-                    **({"file": p.cluster_file} if p.cluster_file else {})},
-        "fit": {"name": getattr(law, "name", "law"), "hash": law.content_hash()},
-        "budget": p.budget.as_dict(),
-        "model": {name: getattr(chosen.arch, name) for name in ARCH_FIELDS},
-        "tokens": float(chosen.tokens),
-        "layout": layout_dict(chosen.layout),
-        "predicted": _plain(chosen.predicted),
-        "derived": _plain({k: v for k, v in model_dict(chosen.arch).items() if k not in ARCH_FIELDS}),
-        "compute_optimal": _plain(result.compute_optimal.as_dict()),
-        "binding": _plain(result.binding),
-        "alternatives": [_plain(a.as_dict()) for a in result.alternatives],
-        "search": _plain(result.search),
-        **({"analysis": _plain(result.extra)} if result.extra else {}),
-    }
-
-
-def result_to_json(result: PlanResult) -> dict[str, Any]:
-    """The `--json` payload: {"cluster_optimal", "compute_optimal", "alternatives", ...}."""
-    p = result.problem
-    return _plain({
-        "cluster_optimal": result.cluster_optimal.as_dict(),
-        "compute_optimal": result.compute_optimal.as_dict(),
-        "alternatives": [a.as_dict() for a in result.alternatives],
-        "binding": result.binding,
-        "budget": p.budget.as_dict(),
-        "cluster": {"name": p.cluster.name, "hash": p.cluster.content_hash()},
-        "fit": {"name": getattr(p.law, "name", "law"), "hash": p.law.content_hash()},
-        "search": result.search,
-        **({"analysis": result.extra} if result.extra else {}),
-    })
-
-
-def _plain(obj: Any) -> Any:
-    """YAML/JSON-safe: numpy scalars to Python, non-finite floats to None."""
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if hasattr(obj, "item") and callable(obj.item):
-        obj = obj.item()
-    if isinstance(obj, float) and not np.isfinite(obj):
-        return None
-    return obj
-
-
-def write_plan(path: str, result: PlanResult) -> None:
-    write_yaml_atomic(path, plan_to_dict(result))
-
-
-__all__ = ["PLAN_VERSION", "SOLVERS", "Choice", "PlanResult", "layout_dict", "model_dict", "plan_to_dict",
-           "predicted_for", "result_to_json", "solve", "write_plan"]
-
-
-def load_plan(path: str) -> tuple[MoEArchitecture, ParallelLayout, dict[str, Any]]:
-    """Read a plan file: (model, layout, the whole mapping). Strict on `model` and `layout`."""
-    from perfmodel.specs.strict import read_yaml, section_from_mapping
-
-    data = read_yaml(path)
-    if data.get("version") != PLAN_VERSION:
-        raise InputError(f"{path}: key 'version': {data.get('version')!r} is not supported; this MOSAIC reads "
-                         f"plan version {PLAN_VERSION}")
-    fix = "write the plan with `mosaic plan -o`"
-    arch = section_from_mapping(MoEArchitecture, data, "model", str(path), fix)
-    layout = section_from_mapping(ParallelLayout, data, "layout", str(path), fix)
-    return arch, layout, data
+__all__ = ["SOLVERS", "Choice", "PlanResult", "layout_dict", "model_dict", "predicted_from", "solve"]

@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 
 from mosaic.planner.budget import Budget
-from mosaic.planner.enumerate import Problem, rank_cluster_optimal
+from mosaic.planner.enumerate import rank_cluster_optimal
 from mosaic.planner.law import law_inputs
 from mosaic.planner.plan import Choice, PlanResult
+from mosaic.planner.problem import make_problem
+from mosaic.planner.space import geometry_label
 from perfmodel.errors import InfeasibleError
 from perfmodel.specs.cluster import ClusterSpec
 
@@ -36,14 +38,9 @@ def scale_hbm(cluster: ClusterSpec, factor: float) -> ClusterSpec:
     return dataclasses.replace(cluster, accelerator=acc2)
 
 
-def _geometry_key(arch: Any) -> str:
-    return (f"L{arch.n_layers} h{arch.d_model} E{arch.n_experts} k{arch.top_k} d_expert{arch.d_expert} "
-            f"Es{arch.n_shared_experts}")
-
-
 def sensitivity_table(result: PlanResult) -> list[dict[str, Any]]:
     base = result.problem
-    chosen = _geometry_key(result.cluster_optimal.arch)
+    chosen = geometry_label(result.cluster_optimal.arch)
     rows = []
     for what in ("budget", "bandwidth", "hbm"):
         for f in FACTORS:
@@ -56,16 +53,16 @@ def sensitivity_table(result: PlanResult) -> list[dict[str, Any]]:
                 cluster = scale_bandwidth(cluster, f)
             else:
                 cluster = scale_hbm(cluster, f)
-            problem = Problem(cluster, budget, base.space, base.law)
+            problem = make_problem(cluster, budget, base.space, base.law)
             ranked = rank_cluster_optimal(problem, top=1)
             change = f"{what} x{f:g}"
             if len(ranked.loss) == 0 or not np.isfinite(ranked.loss[0]):
                 rows.append({"change": change, "geometry": "infeasible", "loss": None, "mfu": None, "same_geometry": False})
                 continue
             arch = problem.geoms.archs.row(int(ranked.index[0]))
-            rows.append({"change": change, "geometry": _geometry_key(arch), "loss": float(ranked.loss[0]),
+            rows.append({"change": change, "geometry": geometry_label(arch), "loss": float(ranked.loss[0]),
                          "mfu": float(ranked.results.mfu[0]) if ranked.results is not None else None,
-                         "same_geometry": _geometry_key(arch) == chosen})
+                         "same_geometry": geometry_label(arch) == chosen})
     return rows
 
 

@@ -9,13 +9,13 @@ resolved by `resolve_space`:
                              compute-optimal budget C (C = 6 N D -> N = sqrt(C / (6 r)))
 `geometries` expands the geometry lists into an `ArchBatch` (vectorised);
 `layout_grid` expands the layout lists into a `LayoutBatch` whose gbs is filled
-per (geometry, layout) pair by `global_batch` (it depends on seq_len).
+per (geometry, layout) pair by `perfmodel.specs.layout.gbs_holding_tokens` (it
+depends on seq_len).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from dataclasses import dataclass, field
 from importlib import resources
@@ -24,9 +24,10 @@ from typing import Optional, Union
 
 import numpy as np
 
+from perfmodel import layouts as perfmodel_layouts
 from perfmodel.errors import InputError
-from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, active_params
-from perfmodel.specs.layout import DP_FLAVORS, LAYOUT_FIELDS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
+from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
+from perfmodel.specs.layout import DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
 from perfmodel.specs.strict import check, load_spec, spec_from_dict
 
 IntList = tuple[int, ...]
@@ -108,7 +109,7 @@ class LayoutSpace:
     sequence_parallel: Union[tuple[bool, ...], str] = "auto"
     precision: tuple[str, ...] = ("bf16",)
     gbs_tokens: float = 8.0e6
-    """Global batch rule: smallest multiple of mbs*dp holding this many tokens."""
+    """Global batch: the smallest multiple of mbs*dp holding this many tokens (`gbs_holding_tokens`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tp, str):
@@ -181,13 +182,9 @@ class ResolvedSpace:
     active_params_range: tuple[float, float]
 
 
-def _powers_of_two_upto(limit: int) -> IntList:
-    return tuple(2**i for i in range(int(math.log2(max(limit, 1))) + 1))
-
-
 def resolve_space(space: SearchSpace, node_devices: int, compute_optimal_flops: float) -> ResolvedSpace:
     lay = space.layout
-    tp = _powers_of_two_upto(min(node_devices, MAX_AUTO_TP)) if isinstance(lay.tp, str) else tuple(lay.tp)
+    tp = tuple(perfmodel_layouts.powers_of_two(min(node_devices, MAX_AUTO_TP))) if isinstance(lay.tp, str) else tuple(lay.tp)
     sp = None if isinstance(lay.sequence_parallel, str) else tuple(lay.sequence_parallel)
     geo = space.geometry
     if isinstance(geo.active_params, str):
@@ -270,44 +267,33 @@ def geometries(resolved: ResolvedSpace) -> GeometrySet:
     return GeometrySet(archs.take(keep), gran[keep])
 
 
+def geometry_label(arch: MoEArchitecture) -> str:
+    """Short human form of a geometry, words split only at spaces: ``L32 h4096 E64 k2 d_expert1024 Es1``
+    (Es when shared experts exist), ``L32 h4096 dense`` for a dense model."""
+    text = f"L{arch.n_layers} h{arch.d_model}"
+    if not arch.n_experts:
+        return f"{text} dense"
+    text += f" E{arch.n_experts} k{arch.top_k} d_expert{arch.d_expert}"
+    return text + (f" Es{arch.n_shared_experts}" if arch.n_shared_experts else "")
+
+
 # ---------------------------------------------------------------------------
 # Layout grid.
 
 def layout_grid(resolved: ResolvedSpace, devices: int) -> LayoutBatch:
-    """Every combination of the layout lists with dp = devices / (tp*cp*pp); gbs is 0 (see global_batch)."""
+    """The space's layout lists through `perfmodel.layouts.layout_grid`; gbs is 0 (`gbs_holding_tokens`)."""
     lay = resolved.space.layout
-    sp_values = (False, True) if resolved.sequence_parallel is None else resolved.sequence_parallel
-    rows = []
-    for tp, pp, vpp, ep, etp, cp, flavor, mbs, rec, sp, prec in itertools.product(
-        resolved.tp, lay.pp, lay.vpp, lay.ep, lay.etp, lay.cp, lay.dp_flavor, lay.mbs, lay.recompute, sp_values,
-        lay.precision,
-    ):
-        if devices % (tp * cp * pp) != 0:
-            continue
-        if resolved.sequence_parallel is None and sp != (tp > 1):
-            continue
-        if vpp > 1 and pp == 1:
-            continue
-        rows.append((tp, pp, vpp, ep, etp, cp, devices // (tp * cp * pp), DP_FLAVORS.index(flavor), mbs, 0,
-                     RECOMPUTE_MODES.index(rec), sp, PRECISIONS.index(prec)))
-    if not rows:
+    grid = perfmodel_layouts.layout_grid(
+        devices, tp=resolved.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, etp=lay.etp, cp=lay.cp, dp_flavor=lay.dp_flavor,
+        mbs=lay.mbs, recompute=lay.recompute, precision=lay.precision, sequence_parallel=resolved.sequence_parallel)
+    if len(grid) == 0:
         raise InputError(f"search space: no layout of tp/cp/pp divides devices={devices}; "
                          "add 1 to layout.tp, layout.pp and layout.cp")
-    table = np.asarray(rows, dtype=np.int64)
-    cols = {name: table[:, i] for i, name in enumerate(LAYOUT_FIELDS)}
-    cols["sequence_parallel"] = cols["sequence_parallel"].astype(bool)
-    return LayoutBatch(**cols)
-
-
-def global_batch(mbs: np.ndarray, dp: np.ndarray, seq_len: np.ndarray, gbs_tokens: float) -> np.ndarray:
-    """gbs rule: the smallest multiple of mbs*dp holding at least gbs_tokens tokens."""
-    unit = np.asarray(mbs) * np.asarray(dp)
-    want = np.ceil(gbs_tokens / np.asarray(seq_len))
-    return (np.maximum(1, np.ceil(want / unit)) * unit).astype(np.int64)
+    return grid
 
 
 __all__ = [
     "ComputeOptimalSpec", "GeometrySet", "GeometrySpace", "LayoutSpace", "ResolvedSpace", "SearchSpace",
-    "default_space_path", "geometries", "global_batch", "layout_grid", "load_space", "resolve_space",
+    "default_space_path", "geometries", "geometry_label", "layout_grid", "load_space", "resolve_space",
     "space_from_dict",
 ]

@@ -23,9 +23,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mosaic.planner import build_problem
-from mosaic.planner.enumerate import Problem, Ranked, rank_cluster_optimal, rank_compute_optimal
-from perfmodel.errors import InputError
+from mosaic.planner.enumerate import Ranked, rank_cluster_optimal, rank_compute_optimal
+from mosaic.planner.problem import Problem, build_problem
+from mosaic.planner.space import geometry_label
+from perfmodel.errors import InputError, Param
 from perfmodel.specs.architecture import active_params, expert_sparsity, granularity, sparsity, total_params
 from perfmodel.specs.strict import save_figure_atomic
 
@@ -51,9 +52,7 @@ def _describe(problem: Problem, ranked: Ranked, prefix: str, with_layout: bool) 
     # Model FLOPs of the answer: C_model for the compute-optimal side, C_deliverable for the
     # cluster-optimal side (there D = C_deliverable / FLOPs per token).
     out[f"{prefix}_model_flops"] = float(ranked.tokens[0]) * float(problem.flops_per_token[g])
-    a = problem.geoms.archs.row(g)
-    out[f"{prefix}_geometry"] = (f"L{a.n_layers} h{a.d_model} E{a.n_experts} k{a.top_k} d_expert{a.d_expert}"
-                                 f" Es{a.n_shared_experts}")
+    out[f"{prefix}_geometry"] = geometry_label(problem.geoms.archs.row(g))
     if with_layout and ranked.results is not None:
         res = ranked.results
         lay = problem.evaluator.layout(res.best_layout[0], res.best_gbs[0])
@@ -101,7 +100,7 @@ def sweep(cluster: Any, over: str, values: Optional[list[float]] = None, devices
     import pandas as pd
 
     if over not in OVER:
-        raise InputError(f"--over {over!r} is unknown; use one of {', '.join(OVER)}")
+        raise InputError(Param("over", over), f" is unknown; use one of {', '.join(OVER)}")
     rows = []
     if over in ("sparsity", "granularity"):
         problem = build_problem(cluster, devices=devices, days=days, hours=hours, fit=fit, space=space)

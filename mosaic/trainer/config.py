@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from perfmodel import validity
 from perfmodel.errors import InputError
@@ -184,39 +184,11 @@ def model_from_mapping(data: Any, source: str) -> MoEArchitecture:
         raise InputError(f"{source}: model: {exc}") from None
 
 
-def layout_from_mapping(data: Any, source: str) -> ParallelLayout:
-    if not isinstance(data, Mapping):
-        raise InputError(f"{source}: key 'layout' must be a mapping of ParallelLayout keys")
-    try:
-        return from_mapping(ParallelLayout, data)
-    except InputError as exc:
-        raise InputError(f"{source}: layout: {exc}") from None
-
-
 def _check_version(data: Mapping[str, Any], source: str) -> None:
     if "version" not in data:
         raise InputError(f"{source}: missing key 'version'; add 'version: {RUN_VERSION}' at the top")
     if data["version"] != RUN_VERSION:
         raise InputError(f"{source}: key 'version': {data['version']!r} is not supported; this MOSAIC reads version {RUN_VERSION}")
-
-
-def load_plan(path: str | Path) -> tuple[MoEArchitecture, ParallelLayout, Optional[str]]:
-    """The model, layout and cluster (name or file) of a plan YAML (other sections are the planner's)."""
-    source = str(path)
-    data = read_yaml(path)
-    _check_version(data, source)
-    for key in ("model", "layout"):
-        if key not in data:
-            raise InputError(f"{source}: missing key '{key}'; a plan needs 'model' and 'layout' mappings")
-    cluster = data.get("cluster")
-    if isinstance(cluster, Mapping):
-        # A plan made from a cluster file that is not bundled (e.g. a calibrated one)
-        # records the file; prefer it while it exists, the name otherwise.
-        cluster_file = cluster.get("file")
-        cluster = cluster_file if isinstance(cluster_file, str) and Path(cluster_file).is_file() else cluster.get("name")
-    if cluster is not None and not isinstance(cluster, str):
-        raise InputError(f"{source}: key 'cluster' must be a cluster name or a mapping with 'name'")
-    return model_from_mapping(data["model"], source), layout_from_mapping(data["layout"], source), cluster
 
 
 def load_model_file(path: str | Path) -> MoEArchitecture:

@@ -56,7 +56,7 @@ class ParallelLayout:
     mbs: int = 1
     """Micro-batch size in sequences."""
     gbs: Optional[int] = None
-    """Global batch in sequences; None = mbs * dp * (4 * pp if pp > 1 else 1)."""
+    """Global batch in sequences; None = `default_gbs_of_layout` (mbs * dp * (4 * pp if pp > 1 else 1))."""
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (attention core) or full (whole layer)."""
     sequence_parallel: bool = False
@@ -104,10 +104,29 @@ class ParallelLayout:
                     "change tp/cp/pp or the device count"
                 )
             dp = devices // self.model_parallel
-        gbs = self.gbs
-        if gbs is None:
-            gbs = self.mbs * dp * (4 * self.pp if self.pp > 1 else 1)
+        gbs = default_gbs_of_layout(self.mbs, dp, self.pp) if self.gbs is None else self.gbs
         return dataclasses.replace(self, dp=dp, gbs=gbs)
+
+    def label(self) -> str:
+        """Short human form for tables and plots, words split only at spaces:
+        ``tp2 pp4x2 ep8 dp8 zero1 mbs1 gbs512 rc=selective sp bf16`` (x2: vpp; etp and cp when > 1,
+        recompute and sequence parallel when on). `to_string` is the parseable form."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else ""), f"ep{self.ep}"]
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.dp is not None:
+            parts.append(f"dp{self.dp}")
+        parts += [self.dp_flavor, f"mbs{self.mbs}"]
+        if self.gbs is not None:
+            parts.append(f"gbs{self.gbs}")
+        if self.recompute != "none":
+            parts.append(f"rc={self.recompute}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(self.precision)
+        return " ".join(parts)
 
     def to_string(self) -> str:
         """Compact form, every field named (inverse of `parse_layout`)."""
@@ -118,6 +137,38 @@ class ParallelLayout:
                 continue
             parts.append(f"{name}={str(value).lower() if isinstance(value, bool) else value}")
         return ",".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Global batch: the three default rules, each named for where it applies.
+
+DEFAULT_BATCH_TOKENS = 4 * 2**20
+"""Default global batch of a job, ~4M tokens (Llama 2 pre-training used 4M tokens per batch,
+Touvron et al. 2023)."""
+MAX_SEQUENCES_PER_DEVICE = 8
+"""Cap of a job's default batch per device, so that small jobs (a CPU test cluster) do not
+default to thousands of sequences per step."""
+
+
+def default_gbs_of_layout(mbs: int, dp: int, pp: int) -> int:
+    """A layout given without gbs: gbs = mbs * dp * (4 * pp if pp > 1 else 1), one micro-batch per
+    rank, or m = 4 * pp micro-batches with a pipeline (1F1B bubble (pp - 1) / (m + pp - 1) < 1/5)."""
+    return mbs * dp * (4 * pp if pp > 1 else 1)
+
+
+def default_gbs_of_job(seq_len: int, devices: int) -> int:
+    """A job searched without gbs (`mosaic predict --layout best`): about DEFAULT_BATCH_TOKENS
+    tokens, a multiple of `devices`, 1 to MAX_SEQUENCES_PER_DEVICE sequences per device."""
+    per_device = round(DEFAULT_BATCH_TOKENS / (seq_len * devices))
+    return int(devices * min(max(per_device, 1), MAX_SEQUENCES_PER_DEVICE))
+
+
+def gbs_holding_tokens(mbs: Any, dp: Any, seq_len: Any, tokens: float) -> np.ndarray:
+    """The planner's rule (search space `gbs_tokens`): the smallest multiple of mbs * dp holding
+    at least `tokens` tokens, gbs = max(1, ceil(ceil(tokens / seq_len) / (mbs * dp))) * mbs * dp."""
+    unit = np.asarray(mbs) * np.asarray(dp)
+    want = np.ceil(tokens / np.asarray(seq_len))
+    return (np.maximum(1, np.ceil(want / unit)) * unit).astype(np.int64)
 
 
 _ALIASES = {"sp": "sequence_parallel", "dp_type": "dp_flavor", "flavor": "dp_flavor"}

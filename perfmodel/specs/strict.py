@@ -169,6 +169,23 @@ def to_mapping(obj: Any) -> Any:
     return obj
 
 
+def plain(obj: Any, nonfinite_to_none: bool = True) -> Any:
+    """YAML/JSON-safe builtins: mappings (keys as str) and lists recursively, numpy scalars as
+    Python scalars, str subclasses (e.g. ``torch.__version__``) as str; with `nonfinite_to_none`,
+    inf and NaN floats become None (JSON has neither)."""
+    if isinstance(obj, Mapping):
+        return {str(k): plain(v, nonfinite_to_none) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v, nonfinite_to_none) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalar
+        obj = obj.item()
+    if isinstance(obj, str):
+        return str(obj)
+    if nonfinite_to_none and isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML mapping; malformed YAML or a non-mapping is an InputError naming the file."""
     file = Path(path)
@@ -266,6 +283,7 @@ __all__ = [
     "check",
     "from_mapping",
     "load_spec",
+    "plain",
     "read_yaml",
     "save_figure_atomic",
     "section_from_mapping",

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from mosaic.exports import plan_from_dict, read_plan, render
+from mosaic.exports import render
 from mosaic.exports.megatron import megatron_argv
 from mosaic.exports.mindspeed import mindspeed_argv
+from mosaic.planfile import plan_from_dict, read_plan
 from perfmodel.errors import InputError
 from tests.exports._plans import DEEPSEEK_LIKE, DENSE, EXAMPLE, run_script, variant
 from tests.exports.upstream_options import (

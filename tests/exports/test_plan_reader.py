@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mosaic.exports.plan import plan_from_dict, read_plan
+from mosaic.planfile import plan_from_dict, read_plan
 from perfmodel.errors import InputError
 from tests.exports._plans import EXAMPLE, example_dict, variant
 
@@ -17,7 +17,7 @@ def test_example_plan_reads_and_derives_steps():
     assert plan.model.n_experts == data["model"]["n_experts"]
     assert plan.layout.to_string().startswith("tp=2,pp=4,vpp=2,ep=8")
     assert plan.devices == data["budget"]["devices"] == plan.layout.world()
-    assert plan.cluster_name == data["cluster"]["name"]
+    assert plan.cluster.name == data["cluster"]["name"] and plan.cluster.hash == data["cluster"].get("hash")
     tokens_per_step = data["layout"]["gbs"] * data["model"]["seq_len"]
     assert plan.train_iters == math.ceil(data["tokens"] / tokens_per_step)
     assert (plan.train_iters - 1) * tokens_per_step < data["tokens"] <= plan.train_iters * tokens_per_step

@@ -12,8 +12,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10: tomllib is 3.11+
     tomllib = pytest.importorskip("tomli", reason="Python 3.10 without tomli: no TOML parser to check the export")
 
-from mosaic.exports import plan_from_dict, read_plan, render
+from mosaic.exports import render
 from mosaic.exports.torchtitan import flavor_module, flavor_name
+from mosaic.planfile import plan_from_dict, read_plan
 from perfmodel.errors import InputError
 from tests.exports._plans import DEEPSEEK_LIKE, DENSE, EXAMPLE, variant
 from tests.exports.upstream_options import (

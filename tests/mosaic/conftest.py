@@ -60,3 +60,22 @@ def make_space():
 @pytest.fixture
 def planted_law_cls():
     return PlantedLaw
+
+
+@pytest.fixture
+def space_file(tmp_path, space):
+    """The small space as a YAML file (what the CLI tests pass to --space)."""
+    from perfmodel.specs.strict import spec_to_dict, write_yaml_atomic
+
+    path = tmp_path / "space.yaml"
+    write_yaml_atomic(path, spec_to_dict(space))
+    return str(path)
+
+
+@pytest.fixture
+def planted(monkeypatch, law):
+    """The CLI loads the planted law instead of the bundled fit."""
+    from mosaic.planner import law as lawmod
+
+    monkeypatch.setattr(lawmod, "load_law", lambda path=None: law)
+    return law

@@ -10,7 +10,7 @@ import pytest
 
 import perfmodel
 from mosaic.planner import build_problem
-from mosaic.planner import enumerate as enumerate_mod
+from mosaic.planner import problem as problem_mod
 from mosaic.planner.candidates import STATIC_COMPONENTS, memory_per_device
 from mosaic.planner.enumerate import rank_cluster_optimal, rank_compute_optimal
 from mosaic.planner.plan import solve
@@ -52,7 +52,7 @@ def test_enumeration_matches_a_brute_force_loop(law, space):
 
 @pytest.mark.parametrize("cluster,devices", [("h100", 64), ("ascend_superpod", 128)])
 def test_pruned_and_unpruned_agree(law, make_space, cluster, devices, monkeypatch):
-    monkeypatch.setattr(enumerate_mod, "CHUNK_PAIRS", 2000)  # several chunks, so the loss bound can stop early
+    monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 2000)  # several chunks, so the loss bound can stop early
     space = make_space(n_shared_experts=(0, 1)).replace_layout(mbs=(1, 2), vpp=(1, 2))
     pruned = rank_cluster_optimal(_problem(law, space, True, devices, cluster=cluster), top=5)
     full = rank_cluster_optimal(_problem(law, space, False, devices, cluster=cluster), top=5)
@@ -124,7 +124,7 @@ def test_infeasible_budget_names_memory_and_the_relaxation(law, space):
 
 
 def test_process_parallel_search_gives_the_same_answer(law, space, monkeypatch):
-    monkeypatch.setattr(enumerate_mod, "CHUNK_PAIRS", 2000)
+    monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 2000)
     one = rank_cluster_optimal(_problem(law, space), top=3)
     two = rank_cluster_optimal(_problem(law, space), top=3, workers=2)
     np.testing.assert_array_equal(one.index[:3], two.index[:3])
@@ -132,7 +132,7 @@ def test_process_parallel_search_gives_the_same_answer(law, space, monkeypatch):
 
 
 def test_progress_counts_every_candidate_seen(law, space, monkeypatch):
-    monkeypatch.setattr(enumerate_mod, "CHUNK_PAIRS", 500)
+    monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 500)
     seen = []
     ranked = rank_cluster_optimal(_problem(law, space), top=2, progress=seen.append)
     assert sum(seen) == ranked.pairs_seen == ranked.evaluated * 72 and len(seen) > 1

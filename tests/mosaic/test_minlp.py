@@ -124,6 +124,8 @@ def test_missing_solver_is_a_solver_error(law, space):
     for name in ("bonmin", "mindtpy"):
         ok, _ = solver_available(name)
         if not ok:
-            with pytest.raises(SolverError, match=f"--solver {name}"):
+            with pytest.raises(SolverError, match=f"solver='{name}'") as info:  # the parameter, for Python callers
                 solve(p, solver=name)
+            from mosaic.cli.common import flag_of
+            assert info.value.message_for(flag_of).startswith(f"--solver '{name}': ")  # the flag, for the CLI
     assert D_SCALE > 0

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import yaml
 
+from mosaic.planfile import read_plan, write_plan
 from mosaic.planner import build_problem
-from mosaic.planner.plan import load_plan, plan_to_dict, result_to_json, solve, write_plan
+from mosaic.planner.plan import solve
 from mosaic.planner.sensitivity import bootstrap_comparison, sensitivity_table
 from mosaic.planner.sweep import plot_sweep, sweep
 from perfmodel.errors import InputError
@@ -23,10 +26,12 @@ def result(law, space):
     return solve(build_problem("h100", devices=64, days=5, fit=law, space=space), top=3)
 
 
-def test_json_payload_has_both_plans_with_their_predictions(result):
-    payload = result_to_json(result)
-    assert set(payload) >= {"cluster_optimal", "compute_optimal", "alternatives"}
-    cl, co = payload["cluster_optimal"], payload["compute_optimal"]
+def test_plan_has_both_answers_with_their_predictions(result):
+    payload = result.to_plan().to_dict()
+    assert set(payload) >= {"model", "layout", "tokens", "predicted", "compute_optimal", "alternatives"}
+    cl = {"model": {**payload["model"], **payload["derived"]}, "layout": payload["layout"],
+          "tokens": payload["tokens"], "predicted": payload["predicted"]}
+    co = payload["compute_optimal"]
     for plan in (cl, co):
         assert set(ARCH_FIELDS) | {"n_total_params", "n_active_params", "sparsity", "granularity"} <= set(plan["model"])
     assert set(PREDICT_KEYS) | {"loss", "wall_time_s", "model_flops", "deliverable_flops"} <= set(cl["predicted"])
@@ -51,7 +56,7 @@ def test_json_payload_has_both_plans_with_their_predictions(result):
 
 def test_plan_file_round_trip(result, tmp_path):
     path = tmp_path / "plans" / "plan.yaml"
-    write_plan(str(path), result)
+    write_plan(str(path), result.to_plan())
     data = yaml.safe_load(path.read_text())
     assert data["version"] == 1
     for key in ("tool_version", "cluster", "fit", "budget", "model", "tokens", "layout", "predicted", "alternatives"):
@@ -59,20 +64,25 @@ def test_plan_file_round_trip(result, tmp_path):
     assert data["cluster"] == {"name": "h100", "hash": result.problem.cluster.content_hash()}
     assert data["fit"]["hash"] == result.problem.law.content_hash()
     assert data["budget"] == {"devices": 64, "days": 5.0, "wall_time_s": 5 * 86400.0}
-    arch, layout, _ = load_plan(str(path))
-    assert arch == result.cluster_optimal.arch and layout == result.cluster_optimal.layout
+    plan = read_plan(str(path))
+    assert plan.model == result.cluster_optimal.arch and plan.layout == result.cluster_optimal.layout
     assert [p.name for p in path.parent.iterdir()] == ["plan.yaml"]  # no temp file left
-    assert plan_to_dict(result)["model"] == data["model"]
+    assert plan.to_dict() == data == result.to_plan().to_dict()  # what is read is what was written
 
 
 def test_load_plan_rejects_unknown_keys(result, tmp_path):
     path = tmp_path / "plan.yaml"
-    write_plan(str(path), result)
+    write_plan(str(path), result.to_plan())
     data = yaml.safe_load(path.read_text())
     data["layout"]["tpp"] = 2
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(InputError, match="tpp"):
-        load_plan(str(path))
+        read_plan(str(path))
+    data["layout"].pop("tpp")
+    data["predicteed"] = {}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError, match="unknown key 'predicteed'; did you mean 'predicted'"):
+        read_plan(str(path))
 
 
 def test_sparsity_sweep_contains_the_global_optimum(law, space, result, tmp_path):
@@ -88,7 +98,7 @@ def test_days_sweep_is_monotone(law, space):
     frame = sweep("h100", "days", values=[2, 4, 8], devices=64, fit=law, space=space)
     assert np.all(np.diff(frame["cluster_optimal_loss"]) < 0)
     assert np.all(np.diff(frame["compute_optimal_loss"]) < 0)
-    with pytest.raises(InputError, match="--over"):
+    with pytest.raises(InputError, match="over='layers' is unknown"):
         sweep("h100", "layers", fit=law, space=space)
 
 
@@ -103,12 +113,18 @@ def test_sensitivity_moves_the_right_way(result):
 
 
 def test_trainer_reads_the_plan_file(result, tmp_path):
-    from mosaic.trainer.config import load_plan as trainer_load_plan
+    from mosaic.cli.train import build_config
 
     path = tmp_path / "plan.yaml"
-    write_plan(str(path), result)
-    arch, layout, cluster = trainer_load_plan(path)
-    assert arch == result.cluster_optimal.arch and layout == result.cluster_optimal.layout and cluster == "h100"
+    write_plan(str(path), result.to_plan())
+    config = build_config(plan=path, model=None, layout=None, nproc=None, device="cpu", cluster=None,
+                          out=tmp_path / "run", options={})
+    assert config.model == result.cluster_optimal.arch and config.layout == result.cluster_optimal.layout
+    assert config.cluster == "h100"
+
+
+def _with_law(result, law):
+    return dataclasses.replace(result, problem=dataclasses.replace(result.problem, law=law))
 
 
 def test_bootstrap_probability_that_the_plan_beats_the_runner_up(result, planted_law_cls):
@@ -125,14 +141,13 @@ def test_bootstrap_probability_that_the_plan_beats_the_runner_up(result, planted
             d_term = self.params["b"] / np.asarray(tokens, dtype=float) ** self.params["beta"]
             return base + (self.scales - 1.0)[:, None] * np.atleast_1d(d_term)[None, :]
 
-    result.problem.law = Boot([1.0] * 20)  # every sample is the point fit: the plan always wins
-    out = bootstrap_comparison(result)
+    # every sample is the point fit: the plan always wins
+    out = bootstrap_comparison(_with_law(result, Boot([1.0] * 20)))
     assert out["p_beats_runner_up"] == 1.0 and out["samples"] == 20
     lo, hi = out["loss_interval_90"]
     assert lo == pytest.approx(hi) == pytest.approx(result.cluster_optimal.predicted["loss"])
     scales = np.linspace(0.0, 3.0, 41)
-    result.problem.law = Boot(scales)
-    p = bootstrap_comparison(result)["p_beats_runner_up"]
+    p = bootstrap_comparison(_with_law(result, Boot(scales)))["p_beats_runner_up"]
     best, runner = result.cluster_optimal, result.alternatives[0]
     law = planted_law_cls()
 
@@ -144,17 +159,42 @@ def test_bootstrap_probability_that_the_plan_beats_the_runner_up(result, planted
     assert 0.0 < p < 1.0 or best.tokens == runner.tokens
 
 
-def test_plan_from_a_cluster_file_records_it_for_the_trainer(law, space, tmp_path):
-    """A calibrated (non-bundled) cluster is not findable by name: the plan records its file."""
-    from mosaic.trainer.config import load_plan as trainer_load_plan
+def test_plan_from_a_cluster_file_records_it_for_every_reader(law, space, tmp_path):
+    """A calibrated (non-bundled) cluster is not findable by name: the plan records its file, and
+    the trainer and the exporters load it by the same rule and warn alike when it changed."""
+    from mosaic.exports.common import node_shape
+    from mosaic.planfile import cluster_of
     from perfmodel.clusters import resolve_cluster_path
 
     site = tmp_path / "site.yaml"
-    site.write_text(resolve_cluster_path("h100").read_text().replace("name: h100", "name: h100_site", 1))
+    text = resolve_cluster_path("h100").read_text().replace("name: h100", "name: h100_site", 1)
+    site.write_text(text)
     path = tmp_path / "plan.yaml"
-    write_plan(str(path), solve(build_problem(str(site), devices=64, days=5, fit=law, space=space), top=1))
+    write_plan(str(path), solve(build_problem(str(site), devices=64, days=5, fit=law, space=space), top=1).to_plan())
     data = yaml.safe_load(path.read_text())
     assert data["cluster"]["name"] == "h100_site" and data["cluster"]["file"] == str(site.resolve())
-    assert trainer_load_plan(path)[2] == str(site.resolve())
-    site.unlink()  # moved away: the trainer falls back to the recorded name
-    assert trainer_load_plan(path)[2] == "h100_site"
+    plan = read_plan(path)
+    assert plan.cluster.source() == str(site.resolve())
+    spec, drift = cluster_of(plan)
+    assert spec.name == "h100_site" and drift is None
+    assert "NOTE" not in node_shape(plan).note
+    site.write_text(text.replace("devices: 1024", "devices: 2048", 1))  # the file changed since planning
+    spec, drift = cluster_of(plan)
+    assert drift is not None and plan.cluster.hash in drift and spec.content_hash() in drift
+    assert f"NOTE {drift}" in node_shape(plan).note
+    site.unlink()  # moved away: every reader falls back to the recorded name
+    assert plan.cluster.source() == "h100_site"
+
+
+def test_choices_carry_the_search_evaluation_of_their_pair(result, monkeypatch):
+    """Each chosen pair's predictions are the search's own evaluate row, equal to a fresh evaluate."""
+    import perfmodel
+
+    fresh = [perfmodel.evaluate(c.arch, c.layout, result.problem.cluster, result.problem.budget.devices).row(0)
+             for c in [result.cluster_optimal, *result.alternatives]]
+    for choice, row in zip([result.cluster_optimal, *result.alternatives], fresh):
+        assert {k: choice.predicted[k] for k in row} == row
+    calls = []
+    monkeypatch.setattr(perfmodel, "evaluate", lambda *a, **k: calls.append(a) or pytest.fail("evaluated again"))
+    solve(result.problem, top=3)  # the problem's search is cached: nothing is evaluated again
+    assert calls == []

@@ -9,7 +9,6 @@ import yaml
 from mosaic.planner.space import (
     default_space_path,
     geometries,
-    global_batch,
     layout_grid,
     load_space,
     resolve_space,
@@ -17,7 +16,7 @@ from mosaic.planner.space import (
 )
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import ARCH_FIELDS, active_params
-from perfmodel.specs.layout import RECOMPUTE_MODES
+from perfmodel.specs.layout import RECOMPUTE_MODES, gbs_holding_tokens
 
 
 def test_default_space_expands_to_valid_geometries():
@@ -57,7 +56,7 @@ def test_global_batch_rule_is_smallest_multiple_holding_the_target():
     mbs = np.array([1, 2, 1, 4])
     dp = np.array([64, 48, 768, 3])
     seq = np.array([4096, 4096, 2048, 8192])
-    gbs = global_batch(mbs, dp, seq, 8.0e6)
+    gbs = gbs_holding_tokens(mbs, dp, seq, 8.0e6)
     unit = mbs * dp
     assert np.all(gbs % unit == 0)
     assert np.all(gbs * seq >= 8.0e6)

@@ -172,7 +172,9 @@ def test_mosaic_clusters_lists_the_library_with_sources():
     assert table.exit_code == 0, table.output
     for name in REQUIRED:
         assert name in table.stdout
-    assert "[verl]" in table.stdout  # citation keys are not eaten as rich markup (ascend_910b)
+    assert "mosaic show-cluster NAME" in table.stdout  # the list is compact; sources are one command away
+    detail = _runner_invoke(["show-cluster", "ascend_910b"])
+    assert "[verl]" in detail.stdout  # citation keys are not eaten as rich markup
 
 
 @pytest.mark.parametrize("name", ["ascend_superpod", "cpu_local", "b200"])

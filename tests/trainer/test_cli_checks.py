@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from mosaic.cli import train as train_cmd
 from mosaic.cli.app import app
-from mosaic.trainer.config import load_plan
+from mosaic.planfile import read_plan
 
 
 @pytest.fixture()
@@ -27,8 +27,9 @@ def no_launch(monkeypatch):
 
 
 def _plan(tmp_path, layout, model=None, **extra):
-    data = {"version": 1, "cluster": {"name": "cpu_local", "hash": "x"}, "model": model or dict(TINY_MODEL),
-            "layout": layout, "predicted": {"mfu": 0.4}, "alternatives": [], **extra}
+    world = layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1) * layout["dp"]
+    data = {"version": 1, "cluster": {"name": "cpu_local"}, "budget": {"devices": world}, "model": model or dict(TINY_MODEL),
+            "tokens": 1.0e6, "layout": layout, "predicted": {"mfu": 0.4}, "alternatives": [], **extra}
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -61,7 +62,7 @@ def test_bad_plans_are_refused_before_any_process_starts(tmp_path, no_launch, la
 
 @pytest.mark.parametrize("model_change,message", [
     ({"n_experts": 4, "top_k": 5}, "top_k"),
-    ({"n_expert": 4}, "unknown key 'n_expert'; did you mean 'n_experts'"),
+    ({"n_expert": 4}, "unknown key 'model.n_expert'; did you mean 'n_experts'"),
 ])
 def test_bad_model_sections_are_refused(tmp_path, no_launch, model_change, message):
     model = {**TINY_MODEL, **model_change}
@@ -77,8 +78,22 @@ def test_model_and_layout_string_need_a_world_size(tmp_path, no_launch, tiny_mod
 
 
 def test_plan_reads_model_layout_and_cluster_and_ignores_planner_sections(tmp_path):
-    arch, layout, cluster = load_plan(_plan(tmp_path, {"dp": 2, "ep": 2, "mbs": 2, "gbs": 8}, tokens=1e9))
-    assert arch.n_experts == 4 and layout.ep == 2 and cluster == "cpu_local"
+    plan = read_plan(_plan(tmp_path, {"dp": 2, "ep": 2, "mbs": 2, "gbs": 8}, tokens=1e9))
+    assert plan.model.n_experts == 4 and plan.layout.ep == 2 and plan.cluster.source() == "cpu_local"
+    assert plan.report == {"predicted": {"mfu": 0.4}, "alternatives": []}
+
+
+def test_a_changed_cluster_is_warned_about_once(tmp_path, no_launch, capsys):
+    plan = _plan(tmp_path, {"dp": 1, "mbs": 1, "gbs": 1}, cluster={"name": "cpu_local", "hash": "0123456789abcdef"})
+    config = train_cmd.build_config(plan=plan, model=None, layout=None, nproc=None, device="cpu", cluster=None,
+                                    out=tmp_path / "run", options={"steps": 1})
+    err = capsys.readouterr().err
+    assert config.cluster == "cpu_local"
+    assert "warning: cluster 'cpu_local' changed since the plan was made (hash 0123456789abcdef" in err
+    assert err.count("warning:") == 1
+    train_cmd.build_config(plan=plan, model=None, layout=None, nproc=None, device="cpu", cluster="cpu_local",
+                           out=tmp_path / "run", options={"steps": 1})
+    assert "warning" not in capsys.readouterr().err  # --cluster replaces the plan's cluster: nothing to compare
 
 
 def test_resolved_config_for_cpu(tmp_path, no_launch):

@@ -1,0 +1,169 @@
+"""The planning problem: cluster, budget, resolved space, candidates and law, built by one function.
+
+`make_problem(cluster, budget, space, law)` does the preparation once:
+  eta_good = goodput(cluster, devices)
+  C_model  = devices x peak x nominal MFU x eta_good x wall time   (budget.compute_optimal_flops)
+  resolve the space's `auto` entries, expand its geometries and its layout grid,
+  F_g = model FLOPs per token of every geometry
+and returns a frozen `Problem` holding the results; `build_problem` does the same
+from names and paths (what the CLI and `mosaic.planner.plan` pass). Every solver
+reads the same `Problem`: its figures (D in budget, MFU cap, loss lower bound) and
+its cached per-geometry layout search (`Problem.evaluate`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from mosaic.planner import law as lawmod
+from mosaic.planner.budget import Budget, compute_optimal_flops, goodput, make_budget
+from mosaic.planner.candidates import GeometryResults, PairEvaluator
+from mosaic.planner.space import GeometrySet, ResolvedSpace, SearchSpace, geometries, layout_grid, load_space, resolve_space
+from perfmodel.errors import InputError
+from perfmodel.specs.architecture import attention_flops_per_token, model_flops_per_token
+from perfmodel.specs.cluster import ClusterSpec
+
+CHUNK_PAIRS = 65536
+"""(geometry x layout) pairs per vectorised chunk (the enumeration reads it too)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """Everything a search needs, prepared by `make_problem` (no work happens here)."""
+
+    cluster: ClusterSpec
+    budget: Budget
+    space: SearchSpace
+    law: lawmod.Law
+    resolved: ResolvedSpace
+    geoms: GeometrySet
+    evaluator: PairEvaluator
+    eta: float
+    """Goodput eta_good of the job."""
+    c_model: float
+    """Compute-optimal budget C_model in FLOPs."""
+    flops_per_token: np.ndarray
+    """F_g: model FLOPs per token of each geometry."""
+    prune: bool = True
+    cluster_file: Optional[str] = None
+    """Absolute path of the cluster YAML when it is not a bundled one (recorded in the plan)."""
+    _cache: dict[int, tuple[GeometryResults, int]] = field(default_factory=dict, repr=False, compare=False)
+    """Geometry index -> (the search chunk's results, its position there); sweeps and both
+    budgets reuse them."""
+
+    # -- figures shared by every solver -------------------------------------------------
+    def tokens_in_budget(self, tokens_per_s: Any) -> np.ndarray:
+        """D = tokens/s x eta_good x wall time (= C_deliverable / FLOPs per token)."""
+        return np.asarray(tokens_per_s, dtype=float) * self.eta * self.budget.wall_time_s
+
+    def mfu_cap(self) -> np.ndarray:
+        """MFU_g <= min(1, eff_max x F_g / (F_g - F_attn,g)) (see enumerate)."""
+        acc = self.cluster.accelerator
+        eff = max(acc.max_gemm_efficiency(self.space.layout.precision), 1e-12)
+        fpt = self.flops_per_token
+        attn = np.asarray(attention_flops_per_token(self.geoms.archs), dtype=float)
+        return np.minimum(1.0, eff * fpt / np.maximum(fpt - attn, 1e-30))
+
+    def max_peak(self) -> float:
+        """Highest dense peak FLOP/s over the space's precisions the part has."""
+        acc = self.cluster.accelerator
+        peaks = []
+        for p in self.space.layout.precision:
+            try:
+                peaks.append(acc.peak(p))
+            except InputError:  # a precision the part lacks is infeasible for evaluate too
+                continue
+        return max(peaks) if peaks else 0.0
+
+    def loss_lower_bound(self) -> np.ndarray:
+        """LB_g = law(..., D_ub,g), D_ub,g = devices x peak x MFU cap x eta_good x wall time / F_g."""
+        d_ub = self.budget.devices * self.max_peak() * self.mfu_cap() * self.eta * self.budget.wall_time_s / self.flops_per_token
+        return lawmod.loss(self.law, self.geoms.archs, d_ub)
+
+    def compute_optimal_tokens(self) -> np.ndarray:
+        """D_g = C_model / F_g."""
+        return self.c_model / self.flops_per_token
+
+    # -- the layout search, cached per geometry -----------------------------------------
+    def evaluate(self, index: np.ndarray, progress: Optional[Callable[[int], None]] = None,
+                 pool: Optional[ProcessPoolExecutor] = None) -> GeometryResults:
+        """Best feasible layout of each geometry in `index` (PairEvaluator), searched once per geometry."""
+        index = np.asarray(index, dtype=np.int64)
+        missing = np.asarray([i for i in index if int(i) not in self._cache], dtype=np.int64)
+        if len(missing):
+            per_chunk = max(1, CHUNK_PAIRS // max(len(self.evaluator.grid), 1))
+            chunks = [missing[i:i + per_chunk] for i in range(0, len(missing), per_chunk)]
+            if pool is not None and len(chunks) > 1:
+                parts = list(pool.map(_run_chunk, chunks))
+                if progress is not None:
+                    progress(len(missing) * len(self.evaluator.grid))
+            else:
+                parts = [self.evaluator.run(c, progress) for c in chunks]
+            for part in parts:
+                for j, g in enumerate(part.index):
+                    self._cache[int(g)] = (part, j)
+        if not len(index):
+            return GeometryResults.empty()
+        entries = [self._cache[int(i)] for i in index]
+        pieces = []
+        for _, run in itertools.groupby(entries, key=lambda entry: id(entry[0])):  # runs from one chunk
+            run = list(run)
+            pieces.append(run[0][0].take(np.asarray([j for _, j in run], dtype=np.int64)))
+        return pieces[0] if len(pieces) == 1 else GeometryResults.concat(pieces)
+
+
+_WORKER: dict[str, PairEvaluator] = {}
+
+
+def init_worker(evaluator: PairEvaluator) -> None:
+    """Process-pool initializer: each worker holds the problem's evaluator once."""
+    _WORKER["evaluator"] = evaluator
+
+
+def _run_chunk(chunk: np.ndarray) -> GeometryResults:
+    return _WORKER["evaluator"].run(chunk)
+
+
+def make_problem(cluster: ClusterSpec, budget: Budget, space: SearchSpace, law: lawmod.Law, prune: bool = True,
+                 cluster_file: Optional[str] = None) -> Problem:
+    """Prepare the problem (module doc): goodput, C_model, resolved space, geometries, layout grid."""
+    co = space.compute_optimal
+    eta = goodput(cluster, budget.devices)
+    c_model = compute_optimal_flops(cluster, budget, co.nominal_mfu, co.precision)
+    resolved = resolve_space(space, cluster.node_devices, c_model)
+    geoms = geometries(resolved)
+    grid = layout_grid(resolved, budget.devices)
+    evaluator = PairEvaluator(geoms.archs, grid, cluster, budget.devices, space.layout.gbs_tokens, prune=prune)
+    return Problem(cluster=cluster, budget=budget, space=space, law=law, resolved=resolved, geoms=geoms,
+                   evaluator=evaluator, eta=eta, c_model=c_model,
+                   flops_per_token=np.asarray(model_flops_per_token(geoms.archs), dtype=float), prune=prune,
+                   cluster_file=cluster_file)
+
+
+def build_problem(cluster: Any, devices: Optional[int] = None, days: Optional[float] = None,
+                  hours: Optional[float] = None, fit: Any = None, space: Any = None, prune: bool = True) -> Problem:
+    """`make_problem` from names/paths or objects: a cluster name, file or ClusterSpec; a fit path, None
+    (the bundled fit) or a law; a space path, None (the bundled space) or a SearchSpace."""
+    from perfmodel.clusters import bundled_cluster_paths, load_cluster, resolve_cluster_path
+
+    cluster_file = None
+    if isinstance(cluster, ClusterSpec):
+        spec = cluster
+    else:
+        spec = load_cluster(str(cluster))
+        path = resolve_cluster_path(str(cluster)).resolve()
+        if path not in {p.resolve() for p in bundled_cluster_paths().values()}:
+            cluster_file = str(path)
+    law = fit if (fit is not None and hasattr(fit, "predict")) else lawmod.load_law(fit)
+    sp = space if isinstance(space, SearchSpace) else load_space(space)
+    budget = make_budget(spec, devices=devices, days=days, hours=hours)
+    return make_problem(spec, budget, sp, law, prune=prune, cluster_file=cluster_file)
+
+
+__all__ = ["CHUNK_PAIRS", "Problem", "build_problem", "init_worker", "make_problem"]
