@@ -88,7 +88,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
     params: dict[str, StageParams] = {}
     for name in ("first", "last"):
         st, params[name] = stage_times(StageBlocks(arch, lay, tables, counts[name]), cluster.overlap, hw, pricer, host)
-        st["step"] = (m + slots) * st["micro_batch"] + st["dp_step_exposed"] + st["optimizer"]
+        st["step"] = (m + slots) * st["micro_batch"] + st["dp_step_exposed"] + st["dp_step_slowdown"] + st["optimizer"]
         stages[name] = st
     last_slower = stages["last"]["step"] > stages["first"]["step"]
 
@@ -109,6 +109,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         "pp_exposed": m * pick("pp_exposed"),
         "dp_exposed": m * pick("fsdp_exposed") + pick("dp_step_exposed"),
         "dispatch": m * pick("dispatch"),
+        "overlap_slowdown": m * pick("overlap_slowdown") + pick("dp_step_slowdown"),
         "bubble": slots * pick("micro_batch"),
         "optimizer": pick("optimizer"),
         "straggler": base_step_s * (factor - 1.0),

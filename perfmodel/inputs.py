@@ -19,7 +19,8 @@ from perfmodel.specs.layout import LayoutBatch, ParallelLayout
 
 Batch = TypeVar("Batch", ArchBatch, LayoutBatch)
 
-CODE_FIELDS = ("dp_flavor", "recompute", "precision", "sequence_parallel", "gated_ffn", "tie_embeddings")
+CODE_FIELDS = ("dp_flavor", "recompute", "precision", "sequence_parallel", "gated_ffn", "tie_embeddings",
+               "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap")
 """Columns that hold categorical codes or flags (kept as they are by `as_float`)."""
 
 

@@ -20,13 +20,15 @@ REASONS = ("ok", "invalid_layout", "devices", "precision", "memory")
 accelerator has no peak for it; memory: above usable HBM."""
 
 STEP_COMPONENTS = ("compute", "attention", "expert_gemm", "recompute", "tp_exposed", "cp_exposed",
-                   "ep_exposed", "pp_exposed", "dp_exposed", "dispatch", "bubble", "optimizer", "straggler")
+                   "ep_exposed", "pp_exposed", "dp_exposed", "dispatch", "overlap_slowdown", "bubble", "optimizer",
+                   "straggler")
 """Seconds per step that add up to step_time_s. compute: dense GEMMs and
 bandwidth-bound kernels (norms, activations, permutes, embedding, LM head,
 cross-entropy); attention: the flash-attention core; expert_gemm: routed
 experts' grouped GEMMs; recompute: forward work repeated in the backward pass;
 *_exposed: communication not hidden (ep includes etp); dispatch: host launch
-time beyond device time; bubble: pipeline fill/drain; optimizer: Adam step;
+time beyond device time; overlap_slowdown: compute slowed by the communication
+hidden beside it; bubble: pipeline fill/drain; optimizer: Adam step;
 straggler: slowdown from the slowest node."""
 
 HIDDEN_COMPONENTS = ("tp_hidden", "cp_hidden", "ep_hidden", "pp_hidden", "dp_hidden")

@@ -9,15 +9,18 @@ Per micro-batch (sums over the stage's blocks, `tables.StageBlocks`):
   per phase; FSDP: the parameter all-gather forward and backward plus the fp32
   gradient reduce-scatter backward, dense over dp*cp, experts over edp.
 - Overlap (`hide`): within each phase, communication hides behind that phase's
-  overlappable compute, at most the cluster's `overlap` fraction of it, in the
-  order cp (behind attention only), tp, ep, pp, FSDP; the rest is exposed.
+  overlappable compute, at most the fraction `overlap_fractions` gives it (the layout's
+  switches x what the runtime can hide, `Overlap`), in the order cp (behind attention only),
+  tp, ep, pp, FSDP; the rest is exposed. Hidden seconds h cost compute_slowdown x h: the
+  compute beside them runs slower (`Overlap.compute_slowdown`, measured).
 - Host: `HostDispatch` adds its dispatch time to the device time of both phases.
 
 Once per step (after the last micro-batch):
 - DDP all-reduces fp32 gradients; ZeRO-1 reduce-scatters them and all-gathers
   the updated parameters. Both hide behind the backward (gradients) or forward
-  (parameters) window left over, at most `overlap.dp`, except the last
-  DDP_BUCKET_PARAMS bucket.
+  (parameters) window left over when `overlap_grad_reduce` / `overlap_param_gather` are on,
+  except the last DDP_BUCKET_PARAMS bucket; off, they run after the backward / before the
+  forward.
 - Optimizer: optimizer_step_bytes_per_param x the parameters this rank updates
   (all under DDP, its dp shard under ZeRO-1/FSDP) through HBM, priced by the host.
 """
@@ -99,15 +102,20 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
     dense_params, expert_params = stage_params(arch, lay, counts)
     comm_s, param_gather_s, grad_scatter_s = _micro_batch_comm(stage, pricer, dense_params, expert_params)
 
+    fraction = overlap_fractions(lay, overlap)
     exposed_s, hidden_s, left_s = {}, {}, {}
     for phase, window_s, attn_s in (("fwd", fwd_window_s, fwd_attn_s), ("bwd", bwd_window_s, bwd_attn_s)):
-        phase_hidden, phase_exposed, left_s[phase] = _overlap_phase(comm_s, phase, window_s, attn_s, overlap)
+        phase_hidden, phase_exposed, left_s[phase] = _overlap_phase(comm_s, phase, window_s, attn_s, fraction)
         hidden_s.update(phase_hidden)
         exposed_s.update(phase_exposed)
 
     fwd_kernels, bwd_kernels = host.phase_kernels(stage)
-    fwd_device_s = fwd_compute_s + sum(exposed_s[f"fwd_{c}"] for c in HIDE_ORDER)
-    bwd_device_s = bwd_compute_s + sum(exposed_s[f"bwd_{c}"] for c in HIDE_ORDER)
+    # compute beside hidden communication runs slower (`Overlap.compute_slowdown`)
+    fwd_slowdown_s = overlap.compute_slowdown * sum(hidden_s[f"fwd_{c}"] for c in HIDE_ORDER)
+    bwd_slowdown_s = overlap.compute_slowdown * sum(hidden_s[f"bwd_{c}"] for c in HIDE_ORDER)
+    out["overlap_slowdown"] = fwd_slowdown_s + bwd_slowdown_s
+    fwd_device_s = fwd_compute_s + sum(exposed_s[f"fwd_{c}"] for c in HIDE_ORDER) + fwd_slowdown_s
+    bwd_device_s = bwd_compute_s + sum(exposed_s[f"bwd_{c}"] for c in HIDE_ORDER) + bwd_slowdown_s
     dispatch_s = host.dispatch_s(stage, fwd_kernels, bwd_kernels, fwd_device_s, bwd_device_s, launch_latency_s,
                                  hw.share)
     out["dispatch"] = dispatch_s
@@ -117,7 +125,8 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
         out[f"{cls}_hidden"] = hidden_s[f"fwd_{cls}"] + hidden_s[f"bwd_{cls}"]
 
     out["dp_step_exposed"], out["dp_step_hidden"] = _dp_step_sync(
-        lay, pricer, overlap, dense_params, expert_params, param_gather_s, grad_scatter_s, left_s)
+        lay, pricer, fraction, dense_params, expert_params, param_gather_s, grad_scatter_s, left_s)
+    out["dp_step_slowdown"] = overlap.compute_slowdown * out["dp_step_hidden"]
     out["optimizer"] = _optimizer_s(stage, hw, pricer, host, dense_params, expert_params)
     return out, (dense_params, expert_params)
 
@@ -147,16 +156,35 @@ def _micro_batch_comm(stage: StageBlocks, pricer: CollectivePricer, dense_params
     return comm_s, param_gather_s, grad_scatter_s
 
 
-def _overlap_phase(comm_s: dict[str, Values], phase: str, window_s: Values, attn_s: Values, overlap: Overlap
-                   ) -> tuple[dict[str, Values], dict[str, Values], Values]:
+def overlap_fractions(lay: LayoutLike, overlap: Overlap) -> dict[str, Values]:
+    """The hideable fraction of each class for each candidate: the runtime's (`Overlap`) where the
+    layout overlaps it. cp: always (the ring exchange overlaps the attention of the chunk before);
+    tp: `tp_comm_overlap`; ep: `ep_comm_overlap`; pp: interleaved schedules (Megatron-Core overlaps
+    their p2p, `--overlap-p2p-communication`, on by default; plain 1F1B waits for its sends);
+    fsdp: FSDP prefetches the next layer's parameters and reduce-scatters behind the backward;
+    grad / param: DDP and ZeRO-1's once-per-step sync, `overlap_grad_reduce` / `overlap_param_gather`."""
+    flag = lambda name: np.asarray(getattr(lay, name), dtype=float)  # noqa: E731
+    return {
+        "cp": overlap.cp,
+        "tp": overlap.tp * flag("tp_comm_overlap"),
+        "ep": overlap.ep * flag("ep_comm_overlap"),
+        "pp": overlap.pp * (np.asarray(lay.vpp, dtype=float) > 1),
+        "fsdp": overlap.dp,
+        "grad": overlap.dp * flag("overlap_grad_reduce"),
+        "param": overlap.dp * flag("overlap_param_gather"),
+    }
+
+
+def _overlap_phase(comm_s: dict[str, Values], phase: str, window_s: Values, attn_s: Values,
+                   fraction: dict[str, Values]) -> tuple[dict[str, Values], dict[str, Values], Values]:
     """(hidden, exposed seconds per class, window left) of one phase: cp hides behind the
     attention time only (and uses up the window), then tp, ep, pp, FSDP in turn."""
-    cp_hidden_s, _ = hide(comm_s[f"{phase}_cp"], overlap.cp, attn_s)
+    cp_hidden_s, _ = hide(comm_s[f"{phase}_cp"], fraction["cp"], attn_s)
     window_s = window_s - cp_hidden_s
-    tp_hidden_s, window_s = hide(comm_s[f"{phase}_tp"], overlap.tp, window_s)
-    ep_hidden_s, window_s = hide(comm_s[f"{phase}_ep"], overlap.ep, window_s)
-    pp_hidden_s, window_s = hide(comm_s[f"{phase}_pp"], overlap.pp, window_s)
-    fsdp_hidden_s, window_s = hide(comm_s[f"{phase}_fsdp"], overlap.dp, window_s)
+    tp_hidden_s, window_s = hide(comm_s[f"{phase}_tp"], fraction["tp"], window_s)
+    ep_hidden_s, window_s = hide(comm_s[f"{phase}_ep"], fraction["ep"], window_s)
+    pp_hidden_s, window_s = hide(comm_s[f"{phase}_pp"], fraction["pp"], window_s)
+    fsdp_hidden_s, window_s = hide(comm_s[f"{phase}_fsdp"], fraction["fsdp"], window_s)
     hidden_s, exposed_s = {}, {}
     for cls, cls_hidden_s in (("cp", cp_hidden_s), ("tp", tp_hidden_s), ("ep", ep_hidden_s), ("pp", pp_hidden_s),
                               ("fsdp", fsdp_hidden_s)):
@@ -165,7 +193,7 @@ def _overlap_phase(comm_s: dict[str, Values], phase: str, window_s: Values, attn
     return hidden_s, exposed_s, np.maximum(window_s, 0.0)
 
 
-def _dp_step_sync(lay: LayoutLike, pricer: CollectivePricer, overlap: Overlap, dense_params: Values,
+def _dp_step_sync(lay: LayoutLike, pricer: CollectivePricer, fraction: dict[str, Values], dense_params: Values,
                   expert_params: Values, param_gather_s: Values, grad_scatter_s: Values,
                   left_s: dict[str, Values]) -> tuple[Values, Values]:
     """(exposed, hidden) seconds of the once-per-step DDP / ZeRO-1 synchronisation."""
@@ -180,8 +208,9 @@ def _dp_step_sync(lay: LayoutLike, pricer: CollectivePricer, overlap: Overlap, d
     zero1_gather_s = np.where(zero1, param_gather_s, 0.0)
     local_params = np.maximum(dense_params + expert_params, 1.0)
     last_bucket = np.minimum(1.0, DDP_BUCKET_PARAMS / local_params)
-    grad_hidden_s = np.minimum(np.minimum(overlap.dp * grad_sync_s, left_s["bwd"]), grad_sync_s * (1.0 - last_bucket))
-    gather_hidden_s = np.minimum(np.minimum(overlap.dp * zero1_gather_s, left_s["fwd"]),
+    grad_hidden_s = np.minimum(np.minimum(fraction["grad"] * grad_sync_s, left_s["bwd"]),
+                               grad_sync_s * (1.0 - last_bucket))
+    gather_hidden_s = np.minimum(np.minimum(fraction["param"] * zero1_gather_s, left_s["fwd"]),
                                  zero1_gather_s * (1.0 - last_bucket))
     return grad_sync_s + zero1_gather_s - grad_hidden_s - gather_hidden_s, grad_hidden_s + gather_hidden_s
 

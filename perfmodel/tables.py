@@ -27,8 +27,8 @@ import numpy as np
 from perfmodel.comm import CollectivePricer
 from perfmodel.hardware import HardwareView
 from perfmodel.operators import (
-    PHASES,
     FULL,
+    PHASES,
     SELECTIVE,
     Comm,
     Op,

@@ -80,6 +80,20 @@ def validate(
                       f"over {summary['compared']} of {summary['runs']} runs", highlight=False)
     else:
         console.print("mean APE: n/a  max APE: n/a (no run has a step-time prediction)", highlight=False)
+    if summary["by_cluster"]:
+        groups = Table(title="error by cluster and by kind of run", box=box.SIMPLE_HEAD, pad_edge=False)
+        for column, justify in (("group", "left"), ("runs", "right"), ("mean |error|", "right"),
+                                ("mean error", "right")):
+            groups.add_column(column, justify=justify, no_wrap=True)
+        for label, table_part in (("", summary["by_cluster"]), ("kind ", summary["by_kind"])):
+            for name, part in table_part.items():
+                groups.add_row(escape(label + name), str(part["runs"]), f"{part['mean_ape_pct']:.1f}%",
+                               f"{part['mean_signed_error_pct']:+.1f}%")
+        console.print(groups)
+    if summary["memory"]:
+        mem = summary["memory"]
+        console.print(f"peak memory (runs that published it): {mem['runs']} runs, mean |error| "
+                      f"{mem['mean_abs_error_pct']:.1f}%, mean error {mem['mean_signed_error_pct']:+.1f}%", highlight=False)
     if summary["predicted_infeasible"]:
         listed = ", ".join(f"{rid} ({why.get(rid, reason)})" for rid, reason in summary["predicted_infeasible"].items())
         console.print(f"* predicted infeasible although they ran (still scored unless unscored): {listed}", highlight=False)

@@ -21,8 +21,8 @@ import argparse
 import copy
 import dataclasses
 import sys
-from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,7 +31,6 @@ import yaml
 
 from perfmodel.kernels import derive
 from perfmodel.kernels.fit import (
-    MEMORY_KERNEL_CLASS,
     FitResult,
     fit_attention,
     fit_gemm_family,

@@ -30,7 +30,6 @@ from scipy.optimize import least_squares
 from perfmodel.kernels.forms import (
     GEMM_PHASES,
     gemm_efficiency,
-    memory_efficiency,
     phase_dims,
     saturation,
 )

@@ -9,10 +9,10 @@ figures by measured ones and records that in `calibration:`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 import hashlib
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -182,10 +182,15 @@ class Goodput:
 
 @dataclass(frozen=True)
 class Overlap:
-    """Largest fraction of each collective's time that may hide behind compute."""
+    """What the runtime lets each communication class hide behind compute, and what it costs.
 
-    tp: float = 0.0
-    ep: float = 0.0
+    Whether a class overlaps is the layout's choice (`ParallelLayout` overlap switches, FSDP's
+    prefetch, the interleaved schedule's p2p, context parallel's ring); these fractions are the
+    most of it the runtime can hide (1 where collectives run on their own device streams, NCCL
+    and HCCL; 0 where they block the rank's thread, gloo on CPU)."""
+
+    tp: float = 1.0
+    ep: float = 1.0
     dp: float = 1.0
     pp: float = 1.0
     source: str = ""
@@ -193,9 +198,12 @@ class Overlap:
     """Context parallel K/V ring exchange hidden behind the attention kernels it feeds
     (Megatron-Core context parallel overlaps each ring step with the attention of the
     previous chunk); 1.0 = fully hideable up to the attention time."""
+    compute_slowdown: float = 0.0
+    """Fraction by which compute slows while a collective runs beside it (they share the SMs /
+    AI cores and HBM): hiding c seconds of communication costs compute_slowdown x c."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "dp", "pp", "cp"):
+        for name in ("tp", "ep", "dp", "pp", "cp", "compute_slowdown"):
             value = getattr(self, name)
             check(0 <= value <= 1, name, f"must be in [0, 1], got {value}", "use a fraction")
 

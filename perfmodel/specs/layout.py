@@ -23,10 +23,13 @@ from perfmodel.specs.strict import check, from_mapping
 DP_FLAVORS = ("ddp", "zero1", "fsdp")
 RECOMPUTE_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8")
+OVERLAP_FIELDS = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap")
+"""Communication overlaps the frameworks expose as switches (Megatron-Core names)."""
+BOOL_FIELDS = ("sequence_parallel",) + OVERLAP_FIELDS
 LAYOUT_FIELDS = (
     "tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_flavor", "mbs", "gbs",
     "recompute", "sequence_parallel", "precision",
-)
+) + OVERLAP_FIELDS
 
 DpFlavor = Literal["ddp", "zero1", "fsdp"]
 Recompute = Literal["none", "selective", "full"]
@@ -63,6 +66,18 @@ class ParallelLayout:
     """Megatron sequence parallel (norm/dropout activations split over tp)."""
     precision: Precision = "bf16"
     """Training compute precision (weights kept in master fp32 by the optimizer)."""
+    overlap_grad_reduce: bool = False
+    """DDP / ZeRO-1: reduce gradient buckets during the backward pass (Megatron-Core
+    `--overlap-grad-reduce`, off by default); off: after it. FSDP always overlaps (prefetch)."""
+    overlap_param_gather: bool = False
+    """ZeRO-1: all-gather the updated parameters during the next forward (`--overlap-param-gather`,
+    off by default)."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel all-gathers / reduce-scatters overlapped with their GEMMs (Transformer
+    Engine userbuffers, `--tp-comm-overlap`; needs sequence parallel)."""
+    ep_comm_overlap: bool = False
+    """Expert-parallel all-to-alls overlapped with another micro-batch's compute
+    (`--overlap-moe-expert-parallel-comm`)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "ep", "etp", "cp", "mbs"):
@@ -126,6 +141,9 @@ class ParallelLayout:
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(self.precision)
+        overlaps = [short for name, short in zip(OVERLAP_FIELDS, ("grad", "param", "tp", "ep")) if getattr(self, name)]
+        if overlaps:
+            parts.append("ov=" + "+".join(overlaps))
         return " ".join(parts)
 
     def to_string(self) -> str:
@@ -192,9 +210,9 @@ def parse_layout(text: str, devices: Optional[int] = None) -> ParallelLayout:
             close = difflib.get_close_matches(key, LAYOUT_FIELDS, n=1)
             fix = f"did you mean '{close[0]}'?" if close else "keys: " + ", ".join(LAYOUT_FIELDS)
             raise InputError(f"layout: unknown key '{key}'; {fix}")
-        if key == "sequence_parallel":
+        if key in BOOL_FIELDS:
             if raw.lower() not in _TRUE | _FALSE:
-                raise InputError(f"layout: key 'sequence_parallel': {raw!r} is not true/false")
+                raise InputError(f"layout: key '{key}': {raw!r} is not true/false")
             values[key] = raw.lower() in _TRUE
         else:
             values[key] = raw
@@ -225,6 +243,10 @@ class LayoutBatch:
     recompute: np.ndarray
     sequence_parallel: np.ndarray
     precision: np.ndarray
+    overlap_grad_reduce: np.ndarray
+    overlap_param_gather: np.ndarray
+    tp_comm_overlap: np.ndarray
+    ep_comm_overlap: np.ndarray
 
     @staticmethod
     def stack(layouts: Sequence[ParallelLayout]) -> LayoutBatch:
@@ -239,7 +261,7 @@ class LayoutBatch:
                 cols[name] = np.asarray([RECOMPUTE_MODES.index(v) for v in values], dtype=np.int64)
             elif name == "precision":
                 cols[name] = np.asarray([PRECISIONS.index(v) for v in values], dtype=np.int64)
-            elif name == "sequence_parallel":
+            elif name in BOOL_FIELDS:
                 cols[name] = np.asarray(values, dtype=bool)
             else:
                 cols[name] = np.asarray(values, dtype=np.int64)
