@@ -47,7 +47,7 @@ from perfmodel.inputs import as_float, broadcast_inputs
 from perfmodel.memory import memory_per_device
 from perfmodel.result import BREAKDOWN_KEYS, HIDDEN_COMPONENTS, REASONS, STEP_COMPONENTS, EvalResult
 from perfmodel.schedule import bubble_slots, micro_batches, stage_layer_counts, straggler_factor
-from perfmodel.specs.architecture import ArchBatch, MoEArchitecture, model_flops_per_token
+from perfmodel.specs.architecture import ArchBatch, MoEArchitecture, model_flops_per_token, model_flops_per_token_palm
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LayoutBatch, ParallelLayout
 from perfmodel.stage import StageParams, StageTimes, stage_times
@@ -127,6 +127,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
     tokens_per_s = tokens / step_s
     model_flops_per_s = np.asarray(model_flops_per_token(arch), dtype=float) * tokens_per_s
     mfu = model_flops_per_s / (devices * hw.gemm_peak)
+    mfu_palm = np.asarray(model_flops_per_token_palm(arch), dtype=float) * tokens_per_s / (devices * hw.gemm_peak)
 
     reason = np.zeros(len(devices), dtype=np.int64)
     checks = (
@@ -142,6 +143,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         tokens_per_s=tokens_per_s,
         tokens_per_s_per_device=tokens_per_s / devices,
         mfu=mfu,
+        mfu_palm=mfu_palm,
         tflops_per_device=model_flops_per_s / devices / 1e12,
         memory_per_device_bytes=memory.total_bytes,
         feasible=reason == 0,

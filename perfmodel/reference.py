@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from perfmodel import eager
-from perfmodel.specs.architecture import MoEArchitecture, model_flops_per_token
+from perfmodel.specs.architecture import MoEArchitecture, model_flops_per_token, model_flops_per_token_palm
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import ParallelLayout
 from perfmodel.validity import violations
@@ -123,14 +123,12 @@ def _ceil_log2(x: float) -> float:
     return float(math.ceil(math.log2(x) - 1e-9)) if x > 1 else 0.0
 
 
-def collective_seconds(cluster: ClusterSpec, kind: str, nbytes: float, n: float, stride: float) -> float:
-    """Hierarchical alpha-beta: max over levels of bytes/bandwidth, plus alpha per tree step."""
-    n, stride = max(n, 1.0), max(stride, 1.0)
-    if n <= 1 or nbytes <= 0:
-        return 0.0
+def _line_seconds(cluster: ClusterSpec, kind: str, nbytes: float, n: float, stride: float, low_latency: bool) -> float:
     worst_s, latency_s, inside_prev, alpha_s, sync_s = 0.0, 0.0, 1.0, 0.0, 0.0
     for j, level in enumerate(cluster.levels):
-        alpha_s = max(alpha_s, level.latency_s)
+        step = level.ll_latency_of(kind) if low_latency else level.latency_of(kind)
+        eff = level.ll_efficiency_of(kind) if low_latency else level.efficiency_of(kind)
+        alpha_s = max(alpha_s, step)
         if j == len(cluster.levels) - 1:
             inside = n
         else:
@@ -138,18 +136,30 @@ def collective_seconds(cluster: ClusterSpec, kind: str, nbytes: float, n: float,
         fan = inside / inside_prev
         if kind == "all_reduce":
             moved, steps = 2.0 * (fan - 1.0) / fan * nbytes / inside_prev, 2.0 * _ceil_log2(fan)
-        elif kind in ("all_gather", "reduce_scatter"):
-            moved, steps = (fan - 1.0) / fan * nbytes / inside_prev, _ceil_log2(fan)
+        elif kind in ("all_gather", "reduce_scatter"):   # a ring over all n ranks, on the levels it crosses
+            moved, steps = ((n - 1.0) / n * nbytes / inside_prev if fan > 1 else 0.0), _ceil_log2(fan)
         elif kind == "all_to_all":
             moved, steps = (inside - inside_prev) / n * nbytes, _ceil_log2(fan)
         else:
             moved, steps = (nbytes, 1.0) if fan > 1 else (0.0, 0.0)
-        worst_s = max(worst_s, moved / (level.bandwidth_bytes_per_s * level.efficiency_of(kind)))
+        worst_s = max(worst_s, moved / (level.bandwidth_bytes_per_s * eff))
         latency_s += steps * alpha_s
         if inside > inside_prev and kind != "p2p":
             sync_s = max(sync_s, level.sync_latency_s)
         inside_prev = inside
     return worst_s + latency_s + sync_s
+
+
+def collective_seconds(cluster: ClusterSpec, kind: str, nbytes: float, n: float, stride: float) -> float:
+    """Hierarchical alpha-beta: max over levels of bytes/bandwidth, plus alpha per tree step; the
+    faster of the bandwidth protocol and (where a level has its figures) the low-latency one."""
+    n, stride = max(n, 1.0), max(stride, 1.0)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    seconds = _line_seconds(cluster, kind, nbytes, n, stride, low_latency=False)
+    if any(level.has_low_latency(kind) for level in cluster.levels):
+        seconds = min(seconds, _line_seconds(cluster, kind, nbytes, n, stride, low_latency=True))
+    return seconds
 
 
 def _groups(lay: ParallelLayout) -> dict[str, tuple[float, float]]:
@@ -595,6 +605,12 @@ def _stage_times(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes, cluster:
     comm_s["fwd_fsdp"] = param_gather_s if fsdp else 0.0
     comm_s["bwd_fsdp"] = param_gather_s + grad_scatter_s if fsdp else 0.0
 
+    # what may hide: the runtime's fraction where the layout overlaps the class
+    may_hide = {"tp": overlap.tp if lay.tp_comm_overlap else 0.0, "ep": overlap.ep if lay.ep_comm_overlap else 0.0,
+                "pp": overlap.pp if vpp > 1 else 0.0, "fsdp": overlap.dp,
+                "grad": overlap.dp if lay.overlap_grad_reduce else 0.0,
+                "param": overlap.dp if lay.overlap_param_gather else 0.0}
+
     # overlap inside each phase: cp behind attention, then tp, ep, pp, FSDP behind the window
     exposed_s: dict[str, float] = {}
     hidden_s: dict[str, float] = {}
@@ -604,7 +620,8 @@ def _stage_times(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes, cluster:
         hid = min(overlap.cp * comm_s[f"{phase}_cp"], max(attn_windows_s[phase], 0.0))
         hidden_s[f"{phase}_cp"] = hid
         window_s -= hid
-        for cls, fraction in (("tp", overlap.tp), ("ep", overlap.ep), ("pp", overlap.pp), ("fsdp", overlap.dp)):
+        for cls, fraction in (("tp", may_hide["tp"]), ("ep", may_hide["ep"]), ("pp", may_hide["pp"]),
+                              ("fsdp", may_hide["fsdp"])):
             hid = min(fraction * comm_s[f"{phase}_{cls}"], max(window_s, 0.0))
             hidden_s[f"{phase}_{cls}"] = hid
             window_s -= hid
@@ -615,8 +632,11 @@ def _stage_times(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes, cluster:
     # the host: launches per phase and what they add
     view = _StageView(arch, lay, c, tot, full, selective, m)
     fwd_kernels, bwd_kernels = host.phase_kernels(view)
-    fwd_device_s = fwd_compute_s + sum(exposed_s[f"fwd_{x}"] for x in ("cp", "tp", "ep", "pp", "fsdp"))
-    bwd_device_s = bwd_compute_s + sum(exposed_s[f"bwd_{x}"] for x in ("cp", "tp", "ep", "pp", "fsdp"))
+    classes = ("cp", "tp", "ep", "pp", "fsdp")
+    slow = {ph: overlap.compute_slowdown * sum(hidden_s[f"{ph}_{x}"] for x in classes) for ph in ("fwd", "bwd")}
+    st["overlap_slowdown"] = slow["fwd"] + slow["bwd"]   # compute beside hidden communication runs slower
+    fwd_device_s = fwd_compute_s + sum(exposed_s[f"fwd_{x}"] for x in classes) + slow["fwd"]
+    bwd_device_s = bwd_compute_s + sum(exposed_s[f"bwd_{x}"] for x in classes) + slow["bwd"]
     st["dispatch"] = host.dispatch_s(view, fwd_kernels, bwd_kernels, fwd_device_s, bwd_device_s, dev)
     st["micro_batch"] = fwd_device_s + bwd_device_s + st["dispatch"]
     for cls in ("tp", "cp", "ep", "pp", "fsdp"):
@@ -632,10 +652,11 @@ def _stage_times(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes, cluster:
         grad_sync_s = 0.0
     zero1_gather_s = param_gather_s if lay.dp_flavor == "zero1" else 0.0
     last_bucket = min(1.0, BUCKET_PARAMS / max(dense_p + expert_p, 1.0))
-    grad_hidden_s = min(overlap.dp * grad_sync_s, left_s["bwd"], grad_sync_s * (1 - last_bucket))
-    gather_hidden_s = min(overlap.dp * zero1_gather_s, left_s["fwd"], zero1_gather_s * (1 - last_bucket))
+    grad_hidden_s = min(may_hide["grad"] * grad_sync_s, left_s["bwd"], grad_sync_s * (1 - last_bucket))
+    gather_hidden_s = min(may_hide["param"] * zero1_gather_s, left_s["fwd"], zero1_gather_s * (1 - last_bucket))
     st["dp_step_exposed"] = grad_sync_s + zero1_gather_s - grad_hidden_s - gather_hidden_s
     st["dp_step_hidden"] = grad_hidden_s + gather_hidden_s
+    st["dp_step_slowdown"] = overlap.compute_slowdown * st["dp_step_hidden"]
 
     # optimizer over the parameters this rank updates
     edp = max(tp * cp * dp / (lay.etp * lay.ep), 1.0)
@@ -726,7 +747,7 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Cluster
     stages: dict[str, dict[str, float]] = {}
     for stage_name, c in stage_counts.items():
         st = _stage_times(arch, lay, z, cluster, dev, host, table, c, m, coll)
-        st["step"] = (m + slots) * st["micro_batch"] + st["dp_step_exposed"] + st["optimizer"]
+        st["step"] = (m + slots) * st["micro_batch"] + st["dp_step_exposed"] + st["dp_step_slowdown"] + st["optimizer"]
         stages[stage_name] = st
 
     bottleneck = "last" if stages["last"]["step"] > stages["first"]["step"] else "first"
@@ -739,6 +760,7 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Cluster
         "recompute": m * st["recompute"], "tp_exposed": m * st["tp_exposed"], "cp_exposed": m * st["cp_exposed"],
         "ep_exposed": m * st["ep_exposed"], "pp_exposed": m * st["pp_exposed"],
         "dp_exposed": m * st["fsdp_exposed"] + st["dp_step_exposed"], "dispatch": m * st["dispatch"],
+        "overlap_slowdown": m * st["overlap_slowdown"] + st["dp_step_slowdown"],
         "bubble": slots * st["micro_batch"], "optimizer": st["optimizer"], "straggler": st["step"] * (factor - 1.0),
         "tp_hidden": m * st["tp_hidden"], "cp_hidden": m * st["cp_hidden"], "ep_hidden": m * st["ep_hidden"],
         "pp_hidden": m * st["pp_hidden"], "dp_hidden": m * st["fsdp_hidden"] + st["dp_step_hidden"],
@@ -766,6 +788,7 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Cluster
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": tokens_per_s / devices,
         "mfu": model_flops / (devices * dev.gemm_peak),
+        "mfu_palm": float(model_flops_per_token_palm(arch)) * tokens_per_s / (devices * dev.gemm_peak),
         "tflops_per_device": model_flops / devices / 1e12,
         "memory_per_device_bytes": memory,
         "feasible": reason == "ok",

@@ -48,6 +48,7 @@ class EvalResult:
     tokens_per_s: np.ndarray
     tokens_per_s_per_device: np.ndarray
     mfu: np.ndarray
+    """Model FLOP/s (`model_flops_per_token`: causal attention as executed) / (devices x peak)."""
     tflops_per_device: np.ndarray
     """Achieved model TFLOP/s per device (model FLOPs, no recompute)."""
     memory_per_device_bytes: np.ndarray
@@ -62,6 +63,9 @@ class EvalResult:
     micro_batches: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """m = gbs / (mbs * dp)."""
     bottleneck_stage: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    mfu_palm: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """MFU under the PaLM / Megatron count (attention without causal halving), for comparison
+    with published MFUs; can pass 1 at long context."""
     """0: the first pipeline stage sets the step, 1: the last."""
 
     def __len__(self) -> int:
@@ -81,6 +85,7 @@ class EvalResult:
             "tokens_per_s": num(self.tokens_per_s[i]),
             "tokens_per_s_per_device": num(self.tokens_per_s_per_device[i]),
             "mfu": num(self.mfu[i]),
+            "mfu_palm": num(self.mfu_palm[i]) if len(self.mfu_palm) else None,
             "tflops_per_device": num(self.tflops_per_device[i]),
             "memory_per_device_bytes": num(self.memory_per_device_bytes[i]),
             "feasible": bool(self.feasible[i]),

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from perfmodel.specs.architecture import MoEArchitecture, model_flops_per_token
+from perfmodel.specs.architecture import MoEArchitecture, model_flops_per_token, model_flops_per_token_palm
 from perfmodel.specs.strict import write_text_atomic
 
 METRIC_KEYS = ("step", "loss", "aux_loss", "tokens_per_s", "step_time_s", "mfu", "tflops_per_device",
@@ -43,6 +43,7 @@ def step_metrics(*, step: int, loss: float, aux_loss: float, step_time_s: float,
         "tokens_per_s": float(tokens_per_s),
         "step_time_s": float(step_time_s),
         "mfu": per_device / peak_flops_per_s,
+        "mfu_palm": float(model_flops_per_token_palm(arch)) * tokens_per_s / world / peak_flops_per_s,
         "tflops_per_device": per_device / 1e12,
         "peak_memory_bytes": int(peak_memory_bytes),
         "expert_imbalance": float(expert_imbalance),

@@ -434,10 +434,16 @@ a level that measured some collectives takes the others at that accelerator's me
 @dataclass(frozen=True)
 class SpanFit:
     latency_s: float
+    """The level's step latency (the median of the collectives' own, where fitted)."""
     efficiency: dict[str, float]
     errors: np.ndarray
     sources: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    collective_latency_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Step latency of each collective whose rows reach small messages."""
+    ll_latency_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    ll_efficiency: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The low-latency protocol's figures of the collectives measured over both regimes."""
 
 
 def level_figures(ts: TableSet, name: str, sheet: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -470,6 +476,11 @@ def level_figures(ts: TableSet, name: str, sheet: Mapping[str, Any]) -> list[dic
                 result = dataclasses.replace(result, efficiency=dict(other_fit.efficiency), notes=result.notes + (
                     f"efficiencies not identified by these rows: from {rule[0]} {rule[1]}: {rule[2]}",))
         eff = complete_collectives(ts, result.efficiency, span)
+        if result.collective_latency_s:
+            record["collective_latency_s"] = {str(k): float(f"{v:.3g}") for k, v in sorted(result.collective_latency_s.items())}
+        if result.ll_latency_s:
+            record["ll_collective_latency_s"] = {str(k): float(f"{v:.3g}") for k, v in sorted(result.ll_latency_s.items())}
+            record["ll_collective_efficiency"] = {str(k): _round(v, 3) for k, v in sorted(result.ll_efficiency.items())}
         if not eff:
             raise ValueError(f"{name}: level '{level['name']}' ({span}): its rows identify no collective efficiency "
                              "and no rule carries one over (perfmodel/kernels/derive.py SPAN_NEAREST)")
@@ -534,9 +545,24 @@ class _Level:
     latency_s: float
     eff: Mapping[str, float]
     sync_latency_s: float = 0.0
+    latencies: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    ll_latencies: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    ll_eff: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def efficiency_of(self, kind: str) -> float:
         return self.eff.get(kind, 1.0)
+
+    def latency_of(self, kind: str) -> float:
+        return self.latencies.get(kind, self.latency_s)
+
+    def has_low_latency(self, kind: str) -> bool:
+        return kind in self.ll_latencies
+
+    def ll_latency_of(self, kind: str) -> float:
+        return self.ll_latencies.get(kind, self.latency_of(kind))
+
+    def ll_efficiency_of(self, kind: str) -> float:
+        return self.ll_eff.get(kind, self.efficiency_of(kind))
 
 
 @dataclass(frozen=True)
@@ -567,6 +593,9 @@ def span_fit_of(ts: TableSet, acc: str, span: str) -> Optional[SpanFit]:
                 break
             record = dict(level)
             record["latency_s"], record["collective_efficiency"] = fitted.latency_s, dict(fitted.efficiency)
+            record["collective_latency_s"] = dict(fitted.collective_latency_s)
+            record["ll_collective_latency_s"] = dict(fitted.ll_latency_s)
+            record["ll_collective_efficiency"] = dict(fitted.ll_efficiency)
             built.append(record)
         break
     _SPAN_CACHE[key] = result
@@ -619,22 +648,34 @@ def span_fit(ts: TableSet, acc: str, span: str, inner: Sequence[Mapping[str, Any
         if fallback is None:
             return None
         notes.append("efficiency = the printed peak busbw / link bandwidth (no sizes printed); " + fallback[1])
-        return SpanFit(fallback[0], eff, np.zeros(0), _sources(span_rows), tuple(notes))
+        sources = _sources(span_rows)
+        if "all_to_all" not in eff:
+            from_dispatch = _all_to_all_from_dispatch(ts, acc, span, level)
+            if from_dispatch is not None:
+                eff["all_to_all"] = from_dispatch[0]
+                notes.append(from_dispatch[1])
+                sources = sources + from_dispatch[2]
+        return SpanFit(fallback[0], eff, np.zeros(0), sources, tuple(notes))
     rows, kinds = span_rows.select(sized), kinds[sized]
-    names = sorted(set(kinds))
+    names = sorted({str(c) for c in kinds})
     size, ranks = rows["size_bytes"], rows["ranks"]
     factor = np.where(kinds == "all_reduce", 2.0 * (ranks - 1) / ranks, np.where(kinds == "p2p", 1.0, (ranks - 1) / ranks))
     measured = size * factor / (rows["busbw_gbps"] * 1e9)
     built = tuple(_Level(int(lv["devices"]), float(lv["bandwidth_bytes_per_s"]), float(lv["latency_s"]),
-                         dict(lv["collective_efficiency"]), float(lv.get("sync_latency_s", 0.0))) for lv in inner)
+                         dict(lv["collective_efficiency"]), float(lv.get("sync_latency_s", 0.0)),
+                         dict(lv.get("collective_latency_s", {})), dict(lv.get("ll_collective_latency_s", {})),
+                         dict(lv.get("ll_collective_efficiency", {}))) for lv in inner)
     # nccl-tests sendrecv: every rank sends to the next; the slowest pair sets the time: inside one
     # domain a neighbour pair (stride 1), across domains a pair straddling the inner boundary
     straddle = float(inner[-1]["devices"]) if inner else 1.0
     group = np.where(kinds == "p2p", 2.0, ranks)
     stride = np.where(kinds == "p2p", straddle, 1.0)
 
-    def predict(latency: float, eff: dict[str, float]) -> np.ndarray:
-        fabric = _Fabric(built + (_Level(int(level["devices"]), float(level["bandwidth_bytes_per_s"]), latency, eff),))
+    def predict(latency: dict[str, float], eff: dict[str, float], ll_latency: dict[str, float],
+                ll_eff: dict[str, float]) -> np.ndarray:
+        shared = float(np.median(list(latency.values())))
+        fabric = _Fabric(built + (_Level(int(level["devices"]), float(level["bandwidth_bytes_per_s"]), shared, eff,
+                                         latencies=latency, ll_latencies=ll_latency, ll_eff=ll_eff),))
         out = np.zeros(len(size))
         for kind in names:
             mine = kinds == kind
@@ -653,8 +694,38 @@ def span_fit(ts: TableSet, acc: str, span: str, inner: Sequence[Mapping[str, Any
     # start above the inner levels' step latency: an outer step is charged at least theirs
     # (perfmodel.comm), so a start below it would sit where the outer latency has no effect
     start = 3.0 * max([float(lv["latency_s"]) for lv in inner] + [2e-6])
-    latency, eff, errors = fit_level(measured, predict, names, start, fixed_latency=fixed)
-    return SpanFit(latency, eff, errors, _sources(rows), tuple(notes))
+    kinds = np.asarray([str(c) for c in kinds])
+    fitted = fit_level(measured, kinds, size, predict, start, fixed_latency=fixed, small_bytes=SMALL_MESSAGE_BYTES)
+    own, eff, errors = fitted.latency_s, fitted.efficiency, fitted.errors
+    latency = float(np.median(list(own.values()))) if own else float(fixed if fixed is not None else start)
+    sources = _sources(rows)
+    if "all_to_all" not in eff:
+        from_dispatch = _all_to_all_from_dispatch(ts, acc, span, level)
+        if from_dispatch is not None:
+            eff = {**eff, "all_to_all": from_dispatch[0]}
+            notes.append(from_dispatch[1])
+            sources = sources + from_dispatch[2]
+    return SpanFit(latency, eff, errors, sources, tuple(notes), own,
+                   {c: v for c, v in fitted.ll_latency_s.items() if c in eff},
+                   {c: v for c, v in fitted.ll_efficiency.items() if c in eff})
+
+
+def _all_to_all_from_dispatch(ts: TableSet, acc: str, span: str, level: Mapping[str, Any]
+                              ) -> Optional[tuple[float, str, tuple[str, ...]]]:
+    """An all-to-all efficiency for a span without all-to-all rows, from the accelerator's EP
+    dispatch/combine measurements there (normal kernels): DeepEP-style GB/s count every token a
+    rank receives, local ones too, so the link carries (ep - 1)/ep of it; efficiency = the mean over
+    the rows of bandwidth x (ep - 1)/ep / the level's link bandwidth."""
+    table = ts.tables["ep_dispatch"].rows_of(acc)
+    rows = table.select((table["span"] == span) & (table["mode"] == "normal") & np.isfinite(table["bandwidth_gbps"])
+                        & np.isfinite(table["ep"]))
+    if len(rows) == 0:
+        return None
+    link = rows["bandwidth_gbps"] * 1e9 * (rows["ep"] - 1.0) / rows["ep"]
+    eff = float(np.mean(link) / float(level["bandwidth_bytes_per_s"]))
+    libraries = ", ".join(sorted(set(str(x) for x in rows["library"])))
+    return (eff, f"all_to_all from {len(rows)} EP dispatch/combine rows ({libraries}, normal kernels): mean GB/s x "
+                 "(ep - 1)/ep over the link bandwidth", _sources(rows))
 
 
 def _sources(rows: KernelTable) -> tuple[str, ...]:

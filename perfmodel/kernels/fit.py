@@ -341,34 +341,67 @@ def fit_attention(rows: KernelTable, peak_flops_per_s: float) -> FitResult:
 # ---------------------------------------------------------------------------
 # collectives
 
-def fit_level(times_s: np.ndarray, predict: Callable[[float, dict[str, float]], np.ndarray],
-              collectives: Sequence[str], latency0: float,
-              fixed_latency: float | None = None) -> tuple[float, dict[str, float], np.ndarray]:
-    """(latency per step, efficiency per identified collective, errors) minimising the robust log
-    error of `predict(latency, efficiencies)` against the measured times (latency held at
-    `fixed_latency` when the rows cannot identify it). A collective whose efficiency moves no row's
-    time by 5% by 1% when it falls by 10% (its rows are bound by an inner level) is not identified: left out."""
-    names = list(collectives)
-    if fixed_latency is not None:
-        latency0 = fixed_latency
+@dataclass(frozen=True)
+class LevelFit:
+    """A fabric level's fitted collective figures: per collective the bandwidth protocol's step
+    latency and efficiency, and the low-latency protocol's where the rows identify two lines."""
 
-    def unpack(x: np.ndarray) -> tuple[float, dict[str, float]]:
-        if fixed_latency is not None:
-            return float(fixed_latency), {c: float(np.exp(v)) for c, v in zip(names, x[1:])}
-        return float(np.exp(x[0])), {c: float(np.exp(v)) for c, v in zip(names, x[1:])}
+    latency_s: dict[str, float]
+    efficiency: dict[str, float]
+    ll_latency_s: dict[str, float]
+    ll_efficiency: dict[str, float]
+    errors: np.ndarray
+
+
+def fit_level(times_s: np.ndarray, kinds: np.ndarray, sizes: np.ndarray,
+              predict: Callable[[dict[str, float], dict[str, float], dict[str, float], dict[str, float]], np.ndarray],
+              latency0: float, fixed_latency: float | None = None, small_bytes: float = 4 * 2**20) -> LevelFit:
+    """Fit the collectives of one level to measured times (robust log error of `predict`).
+
+    A collective whose rows reach below `small_bytes` and above 16x it gets two lines, the
+    low-latency protocol's (smaller latency, smaller efficiency) and the bandwidth protocol's;
+    one with small rows only its own latency; the others take the median latency of those, or
+    `fixed_latency` when no collective has small rows. A collective whose efficiency moves no
+    row's time by 1% when it falls by 10% (its rows are bound by an inner level) is not
+    identified: left out of `efficiency`."""
+    names = sorted({str(k) for k in kinds})
+    small = {c for c in names if np.any((kinds == c) & (sizes < small_bytes))} if fixed_latency is None else set()
+    two = {c for c in small if np.sum((kinds == c) & (sizes < small_bytes)) >= 3
+           and np.sum((kinds == c) & (sizes >= 16 * small_bytes)) >= 3}
+    own = sorted(small)
+    dual = sorted(two)
+    n_lat, n_eff, n_dual = len(own), len(names), len(dual)
+
+    def unpack(x: np.ndarray):
+        lat = {c: float(np.exp(v)) for c, v in zip(own, x[:n_lat])}
+        shared = float(np.median(list(lat.values()))) if lat else float(fixed_latency if fixed_latency is not None
+                                                                          else latency0)
+        lat_all = {c: lat.get(c, shared) for c in names}
+        eff = {c: float(np.exp(v)) for c, v in zip(names, x[n_lat:n_lat + n_eff])}
+        rest = x[n_lat + n_eff:]
+        # low-latency line: latency below the bandwidth protocol's, efficiency a fraction of its
+        ll_lat = {c: lat_all[c] / (1.0 + float(np.exp(u))) for c, u in zip(dual, rest[:n_dual])}
+        ll_eff = {c: eff[c] / (1.0 + float(np.exp(v))) for c, v in zip(dual, rest[n_dual:])}
+        return lat_all, eff, ll_lat, ll_eff
 
     def residual(x: np.ndarray) -> np.ndarray:
-        lat, eff = unpack(x)
-        return np.log(predict(lat, eff)) - np.log(times_s)
+        return np.log(predict(*unpack(x))) - np.log(times_s)
 
-    x0 = np.r_[np.log(latency0), np.log(np.full(len(names), 0.8))]
-    lower = np.r_[np.log(1e-8), np.full(len(names), np.log(1e-3))]
-    upper = np.r_[np.log(1e-2), np.full(len(names), np.log(2.0))]
-    x = _robust(residual, x0, lower, upper)
-    lat, eff = unpack(x)
-    base = predict(lat, eff)
+    lower = np.r_[np.full(n_lat, np.log(1e-8)), np.full(n_eff, np.log(1e-3)), np.full(2 * n_dual, -8.0)]
+    upper = np.r_[np.full(n_lat, np.log(1e-2)), np.full(n_eff, np.log(2.0)), np.full(2 * n_dual, 8.0)]
+    best = None
+    for lat_start, ll_start in ((latency0, 1.0), (latency0 * 4.0, 2.0), (latency0 / 2.0, 0.0)):
+        x0 = np.r_[np.full(n_lat, np.log(lat_start)), np.log(np.full(n_eff, 0.8)), np.full(n_dual, ll_start),
+                   np.full(n_dual, 1.5)]
+        x = _robust(residual, x0, lower, upper)
+        cost = float(np.sum(np.log1p(np.abs(residual(x)) / LOSS_SCALE)))
+        if best is None or cost < best[0]:
+            best = (cost, x)
+    lat, eff, ll_lat, ll_eff = unpack(best[1])
+    base = predict(lat, eff, ll_lat, ll_eff)
     identified = {}
     for c in names:  # does some row's time move by >= 1% when this efficiency falls by 10%?
-        moved = predict(lat, {**eff, c: eff[c] * 0.9})
+        moved = predict(lat, {**eff, c: eff[c] * 0.9}, ll_lat, ll_eff)
         identified[c] = bool(np.max(np.abs(np.log(moved / base))) >= 0.01)
-    return lat, {c: v for c, v in eff.items() if identified[c]}, base / times_s - 1.0
+    return LevelFit({c: v for c, v in lat.items() if c in small}, {c: v for c, v in eff.items() if identified[c]},
+                    ll_lat, ll_eff, base / times_s - 1.0)

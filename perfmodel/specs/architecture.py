@@ -114,6 +114,10 @@ class MoEArchitecture:
     def model_flops_per_token(self) -> float:
         return float(model_flops_per_token(self))
 
+    @property
+    def model_flops_per_token_palm(self) -> float:
+        return float(model_flops_per_token_palm(self))
+
     def replace(self, **changes: Any) -> MoEArchitecture:
         return dataclasses.replace(self, **changes)
 
@@ -254,15 +258,29 @@ def granularity(arch: ArchLike) -> Values:
 
 
 def attention_flops_per_token(arch: ArchLike) -> Values:
-    """Score and value matmuls, forward+backward, no causal discount: 12*L*s*h_q."""
+    """Score and value matmuls as the kernels execute them, forward + backward: causal attention
+    skips the masked half, so 6*L*s*h_q (4 s h_q per token and layer forward, halved, times 3)."""
+    return 6.0 * np.asarray(arch.n_layers) * arch.seq_len * np.asarray(arch.n_heads) * arch.head_dim
+
+
+def attention_flops_per_token_palm(arch: ArchLike) -> Values:
+    """The PaLM / Megatron count of the same matmuls without the causal halving: 12*L*s*h_q
+    (Chowdhery et al. 2022, app. B), what published MFUs use."""
     return 12.0 * np.asarray(arch.n_layers) * arch.seq_len * np.asarray(arch.n_heads) * arch.head_dim
 
 
 def model_flops_per_token(arch: ArchLike) -> Values:
-    """Training model FLOPs per token (PaLM/Megatron convention, DESIGN.md).
+    """Training model FLOPs per token, MOSAIC's convention (DESIGN.md): the MFU numerator.
 
-    6*N_act (non-embedding) + 6*h*V (LM head) + 12*L*s*h_q (attention, no causal
-    halving). Recompute is not counted: this is the MFU numerator.
+    6*N_act (non-embedding) + 6*h*V (LM head) + 6*L*s*h_q (causal attention as executed), so
+    MFU cannot pass 1 at long context. Recompute is not counted.
     """
     lm_head = 6.0 * np.asarray(arch.d_model) * arch.vocab_size
     return 6.0 * active_params(arch) + lm_head + attention_flops_per_token(arch)
+
+
+def model_flops_per_token_palm(arch: ArchLike) -> Values:
+    """The PaLM / Megatron convention: as `model_flops_per_token` with 12*L*s*h_q attention (no
+    causal halving); reported beside MOSAIC's MFU as `mfu_palm` for comparison with published MFUs."""
+    lm_head = 6.0 * np.asarray(arch.d_model) * arch.vocab_size
+    return 6.0 * active_params(arch) + lm_head + attention_flops_per_token_palm(arch)

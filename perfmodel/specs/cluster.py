@@ -103,6 +103,12 @@ class Accelerator:
             values += [grouped.fwd.e_max, grouped.dgrad.e_max, grouped.wgrad.e_max]
         return max(values)
 
+    def max_attention_efficiency(self, precisions: Sequence[str]) -> float:
+        """The largest attention e_max serving `precisions` (the core runs bf16 under fp8)."""
+        k = self.kernels
+        names = {k.precision("attention", "bf16" if p in ("fp8", "mxfp8") else p) for p in precisions}
+        return max(max(k.attention[n].fwd_e_max, k.attention[n].bwd_e_max) for n in names)
+
 
 @dataclass(frozen=True)
 class CollectiveFit:
@@ -132,6 +138,14 @@ class FabricLevel:
     """Where the figures come from."""
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     """... unless overridden here per collective (all_reduce, all_gather, reduce_scatter, all_to_all, p2p)."""
+    collective_latency_s: dict[str, float] = field(default_factory=dict)
+    """... and per collective, where measured (NCCL's algorithms differ: a tree all-reduce takes
+    more steps' latency than a ring all-gather); the rest take latency_s."""
+    ll_collective_latency_s: dict[str, float] = field(default_factory=dict)
+    """Low-latency protocol (NCCL LL/LL128) step latency per collective, where measured; a
+    collective without it has one protocol (`perfmodel.comm`)."""
+    ll_collective_efficiency: dict[str, float] = field(default_factory=dict)
+    """Low-latency protocol efficiency per collective (a fraction of the link's bandwidth)."""
     collective_fit: Optional[CollectiveFit] = None
     """How latency_s and the efficiencies were obtained: fitted table rows, or carried over
     (`perfmodel.kernels.build`); None for a hand-written level."""
@@ -148,7 +162,15 @@ class FabricLevel:
         check(self.latency_s >= 0, "latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
         check(0 < self.efficiency <= 2, "efficiency", f"must be in (0, 2], got {self.efficiency}",
               "use busbw / link bandwidth (above 1 only for in-switch reduction, NVLS)")
-        for name, value in self.collective_efficiency.items():
+        check(set(self.ll_collective_latency_s) == set(self.ll_collective_efficiency), "ll_collective_latency_s",
+              "low-latency figures come in pairs", "give ll_collective_latency_s and ll_collective_efficiency for "
+              "the same collectives")
+        for name, value in {**self.collective_latency_s, **self.ll_collective_latency_s}.items():
+            check(name in COLLECTIVES, f"collective_latency_s.{name}", "unknown collective",
+                  f"use one of {', '.join(COLLECTIVES)}")
+            check(math.isfinite(value) and value >= 0, f"collective_latency_s.{name}", "must be >= 0 seconds",
+                  "write seconds, e.g. 5.0e-6")
+        for name, value in {**self.collective_efficiency, **self.ll_collective_efficiency}.items():
             check(name in COLLECTIVES, f"collective_efficiency.{name}", "unknown collective",
                   f"use one of {', '.join(COLLECTIVES)}")
             check(0 < value <= 2, f"collective_efficiency.{name}", f"must be in (0, 2], got {value}",
@@ -156,6 +178,18 @@ class FabricLevel:
 
     def efficiency_of(self, collective: str) -> float:
         return self.collective_efficiency.get(collective, self.efficiency)
+
+    def latency_of(self, collective: str) -> float:
+        return self.collective_latency_s.get(collective, self.latency_s)
+
+    def has_low_latency(self, collective: str) -> bool:
+        return collective in self.ll_collective_latency_s
+
+    def ll_latency_of(self, collective: str) -> float:
+        return self.ll_collective_latency_s.get(collective, self.latency_of(collective))
+
+    def ll_efficiency_of(self, collective: str) -> float:
+        return self.ll_collective_efficiency.get(collective, self.efficiency_of(collective))
 
 
 @dataclass(frozen=True)

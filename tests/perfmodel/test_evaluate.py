@@ -14,7 +14,8 @@ from perfmodel.comm import collective_time
 from perfmodel.evaluate import HIDDEN_COMPONENTS, STEP_COMPONENTS
 from perfmodel.memory import MEMORY_COMPONENTS
 from perfmodel.operators import PHASES, layer_ops
-from perfmodel.specs import ArchBatch, EfficiencyCurve, LayoutBatch, MoEArchitecture, ParallelLayout, parse_layout
+from perfmodel.kernels import flat_figures
+from perfmodel.specs import ArchBatch, LayoutBatch, MoEArchitecture, ParallelLayout, parse_layout
 from perfmodel.specs.architecture import active_params, norm_params
 
 H100 = load_cluster("h100")
@@ -36,8 +37,7 @@ SMALL_MOE = MoEArchitecture(
 def ideal_cluster(efficiency: float = 0.5):
     """One flat compute efficiency, effectively infinite memory bandwidth, no latency or stragglers."""
     acc = H100.accelerator
-    flat = EfficiencyCurve(sizes=(1.0,), values=(efficiency,), source="test")
-    acc = dataclasses.replace(acc, compute_efficiency={"bf16": flat}, hbm_bandwidth_bytes_per_s=1e30,
+    acc = dataclasses.replace(acc, kernels=flat_figures(efficiency), hbm_bandwidth_bytes_per_s=1e30,
                               launch_latency_s=0.0)
     return dataclasses.replace(H100, accelerator=acc, straggler=dataclasses.replace(H100.straggler, cv=0.0))
 
@@ -404,14 +404,17 @@ def test_eager_recompute_pays_checkpoint_host_time_per_region_and_saved_tensor()
     assert extra["full"] > extra["selective"]
 
 
-def test_attention_core_runs_at_the_calibrated_fraction_of_a_gemm():
-    ratio = 0.25
-    acc = H100.accelerator
-    slower = dataclasses.replace(H100, accelerator=dataclasses.replace(
-        acc, attention_efficiency_vs_gemm=ratio, sources={**acc.sources, "attention_efficiency_vs_gemm": "test"}))
+def test_attention_core_runs_at_its_own_fitted_efficiency():
+    """Halving the attention figures' e_max doubles the flash core's time and leaves the GEMMs alone."""
+    ideal = ideal_cluster(0.5)
+    acc = ideal.accelerator
+    attn = {p: dataclasses.replace(a, fwd_e_max=a.fwd_e_max / 2, bwd_e_max=a.bwd_e_max / 2)
+            for p, a in acc.kernels.attention.items()}
+    slower = dataclasses.replace(ideal, accelerator=dataclasses.replace(
+        acc, kernels=dataclasses.replace(acc.kernels, attention=attn)))
     layout = parse_layout("mbs=1,gbs=1", devices=1)
-    base, priced = evaluate(DENSE, layout, H100), evaluate(DENSE, layout, slower)
-    # the flash core's FLOPs take 1/ratio as long; GEMMs (incl. the bf16 head) are untouched
-    assert priced.breakdown["attention"][0] == pytest.approx(base.breakdown["attention"][0] / ratio, rel=1e-6)
+    base, priced = evaluate(DENSE, layout, ideal), evaluate(DENSE, layout, slower)
+    # memory is free on the ideal part: the flash core takes twice as long; GEMMs (incl. the bf16 head) are untouched
+    assert priced.breakdown["attention"][0] == pytest.approx(2 * base.breakdown["attention"][0], rel=1e-6)
     assert priced.breakdown["compute"][0] == pytest.approx(base.breakdown["compute"][0], rel=1e-9)
     assert priced.step_time_s[0] > base.step_time_s[0]

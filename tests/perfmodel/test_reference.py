@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from perfmodel.specs.layout import OVERLAP_FIELDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -106,7 +108,8 @@ def test_arbitrary_layouts_give_a_reason_never_an_exception(rows):
                            seq_len=1024, n_experts=12, top_k=2, d_expert=384, d_ff_dense=3072, n_dense_layers=2)
     layouts = LayoutBatch(**{name: np.asarray(col) for name, col in zip(
         ("tp", "pp", "vpp", "ep", "etp", "cp", "dp", "mbs", "dp_flavor", "recompute", "precision",
-         "sequence_parallel"), zip(*rows))}, gbs=np.asarray([r[7] * 3 for r in rows]))
+         "sequence_parallel"), zip(*rows))}, gbs=np.asarray([r[7] * 3 for r in rows]),
+        **{name: np.zeros(len(rows), dtype=bool) for name in OVERLAP_FIELDS})
     result = evaluate(arch, layouts, CLUSTERS["h100"])
     mask = valid_mask(arch, layouts, np.asarray(layouts.tp) * layouts.cp * layouts.pp * layouts.dp)
     assert np.all(result.feasible <= mask)

@@ -238,7 +238,10 @@ def test_required_columns_cover_every_spec_field():
     from perfmodel.specs.architecture import ARCH_FIELDS
     from perfmodel.specs.layout import LAYOUT_FIELDS
     assert set(ARCH_FIELDS) <= set(REQUIRED_COLUMNS)
-    assert set(LAYOUT_FIELDS) - {"dp"} <= set(REQUIRED_COLUMNS)
+    from perfmodel.specs.layout import OVERLAP_FIELDS
+    from perfmodel.validation import OPTIONAL_COLUMNS
+    assert set(LAYOUT_FIELDS) - {"dp"} - set(OVERLAP_FIELDS) <= set(REQUIRED_COLUMNS)
+    assert set(OVERLAP_FIELDS) <= set(OPTIONAL_COLUMNS)  # the overlap switches default to off (Megatron-Core's)
 
 
 def test_optional_dp_column_is_checked_against_devices(tmp_path):
