@@ -47,6 +47,14 @@ GENERATED_HEADER = (
     "# rerun; a test checks this file equals what they give.\n"
 )
 SOURCE_LIMIT = 6
+MIN_SHAPE_ROWS = 8
+"""Shaped dense rows (not best-of-search) a generation needs to fit shape halves of its own."""
+SHAPE_GENERATION = "hopper"
+"""The generation with the most measured GEMM shapes (DeepGEMM's H800/H100 tables); its halves
+stand in for a generation that measured too few shapes (the tile-and-wave structure of a
+tensor-core GEMM, not its peak)."""
+GROUPED_OWN_HALVES = 20
+"""Shaped grouped-GEMM rows a generation needs for grouped shape halves of its own."""
 """Sources listed per figure (the rest counted)."""
 
 
@@ -89,6 +97,8 @@ class TableSet:
         self._memory: dict[str, tuple[dict[str, FitResult], float]] = {}
         self._gemm: dict[tuple[str, bool], tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]] = {}
         self._attention: dict[str, Optional[FitResult]] = {}
+        self.borrowed_halves: set[str] = set()
+        """Generations whose dense shape halves are SHAPE_GENERATION's."""
 
     # -- memory ----------------------------------------------------------------------------
     def memory(self, acc: str) -> tuple[dict[str, FitResult], float]:
@@ -114,10 +124,18 @@ class TableSet:
         key = (generation, grouped)
         if key not in self._gemm:
             accs = sorted(a for a, g in derive.GENERATION.items() if g == generation and a in self.hbm)
-            dense_halves = None if not grouped else self.gemm(generation, False)[0]
             table = self.tables["grouped_gemm" if grouped else "gemm"]
             mask = np.isin(table["accelerator"], accs) & (table["excluded"] == "")
             rows = table.select(mask)
+            # grouped kernels get shape halves of their own where the generation measured enough
+            # shapes (GROUPED_OWN_HALVES rows); else the generation's dense halves
+            own = grouped and int(np.sum(_shaped(rows, self.peaks, True))) >= GROUPED_OWN_HALVES
+            dense_halves = None if (not grouped or own) else self.gemm(generation, False)[0]
+            if not grouped and _shape_rows(rows) < MIN_SHAPE_ROWS and generation != SHAPE_GENERATION:
+                # too few measured shapes to fit halves (best-of-search rows fix e_max only): the
+                # generation with the most measured shapes lends its halves (derive.SHAPE_GENERATION)
+                dense_halves = self.gemm(SHAPE_GENERATION, False)[0]
+                self.borrowed_halves.add(generation)
             copy_fraction = {a: self.copy_fraction(a) for a in accs}
             entries, measured = gemm_entries(rows, self.peaks, self.hbm, copy_fraction, grouped)
             if len(measured) == 0:
@@ -168,6 +186,15 @@ class TableSet:
         return self._attention[acc]
 
 
+def _shape_rows(rows: KernelTable) -> int:
+    """Dense rows with a printed shape that are not a search's best (they identify the halves)."""
+    role = rows.get("role")
+    shaped = np.isfinite(rows["m"]) & np.isfinite(rows["n"]) & np.isfinite(rows["k"])
+    if role is not None:
+        shaped &= role != "ceiling"
+    return int(np.sum(shaped))
+
+
 def _shaped(rows: KernelTable, peaks: Mapping[tuple[str, str], float], grouped: bool) -> np.ndarray:
     from perfmodel.kernels.fit import used_rows
 
@@ -208,7 +235,12 @@ def gemm_figures(ts: TableSet, acc: str, precisions: Sequence[str], grouped: boo
     for precision in precisions:
         per_phase: dict[str, Any] = {}
         for phase in phases:
-            per_phase[phase] = _one_gemm(ts, acc, precision, phase, grouped, halves, fits, set())
+            record = _one_gemm(ts, acc, precision, phase, grouped, halves, fits, set())
+            if not grouped and generation in ts.borrowed_halves:
+                note = (f"shape halves from {SHAPE_GENERATION} (fewer than {MIN_SHAPE_ROWS} measured shapes on "
+                        f"{generation}: its rows fix e_max only)")
+                record["derived"] = f"{record['derived']}; {note}" if record.get("derived") else note
+            per_phase[phase] = record
         out[precision] = per_phase if grouped else per_phase[""]
     return out
 
@@ -475,6 +507,12 @@ def level_figures(ts: TableSet, name: str, sheet: Mapping[str, Any]) -> list[dic
             if other_fit is not None and other_fit.efficiency:
                 result = dataclasses.replace(result, efficiency=dict(other_fit.efficiency), notes=result.notes + (
                     f"efficiencies not identified by these rows: from {rule[0]} {rule[1]}: {rule[2]}",))
+        if derived or "all_to_all" not in result.efficiency:
+            # this accelerator's own EP dispatch rows beat a borrowed or ratio-derived all-to-all
+            own = _all_to_all_from_dispatch(ts, acc, span, out, level)
+            if own is not None:
+                result = dataclasses.replace(result, efficiency={**result.efficiency, "all_to_all": own[0]},
+                                             notes=result.notes + (own[1],), sources=result.sources + own[2])
         eff = complete_collectives(ts, result.efficiency, span)
         if result.collective_latency_s:
             record["collective_latency_s"] = {str(k): float(f"{v:.3g}") for k, v in sorted(result.collective_latency_s.items())}
@@ -650,7 +688,7 @@ def span_fit(ts: TableSet, acc: str, span: str, inner: Sequence[Mapping[str, Any
         notes.append("efficiency = the printed peak busbw / link bandwidth (no sizes printed); " + fallback[1])
         sources = _sources(span_rows)
         if "all_to_all" not in eff:
-            from_dispatch = _all_to_all_from_dispatch(ts, acc, span, level)
+            from_dispatch = _all_to_all_from_dispatch(ts, acc, span, inner, level)
             if from_dispatch is not None:
                 eff["all_to_all"] = from_dispatch[0]
                 notes.append(from_dispatch[1])
@@ -700,7 +738,7 @@ def span_fit(ts: TableSet, acc: str, span: str, inner: Sequence[Mapping[str, Any
     latency = float(np.median(list(own.values()))) if own else float(fixed if fixed is not None else start)
     sources = _sources(rows)
     if "all_to_all" not in eff:
-        from_dispatch = _all_to_all_from_dispatch(ts, acc, span, level)
+        from_dispatch = _all_to_all_from_dispatch(ts, acc, span, inner, level)
         if from_dispatch is not None:
             eff = {**eff, "all_to_all": from_dispatch[0]}
             notes.append(from_dispatch[1])
@@ -710,22 +748,40 @@ def span_fit(ts: TableSet, acc: str, span: str, inner: Sequence[Mapping[str, Any
                    {c: v for c, v in fitted.ll_efficiency.items() if c in eff})
 
 
-def _all_to_all_from_dispatch(ts: TableSet, acc: str, span: str, level: Mapping[str, Any]
-                              ) -> Optional[tuple[float, str, tuple[str, ...]]]:
+def counts_link_bytes(kinds: np.ndarray) -> np.ndarray:
+    """Whether a dispatch row's GB/s counts only the bytes its NIC carries (DeepEP's internode
+    'RDMA GB/s': tokens sent to other nodes) rather than every token a rank receives ('logical' /
+    'algorithm' bandwidth, NVLink or UB figures, which include local and same-node tokens)."""
+    text = np.char.lower(np.asarray(kinds, dtype=str))
+    nic = (np.char.find(text, "rdma") >= 0) | (np.char.find(text, "ib gb/s") >= 0)
+    logical = ((np.char.find(text, "logical") >= 0) | (np.char.find(text, "algorithm") >= 0)
+               | (np.char.find(text, "nvlink +") >= 0))
+    return nic & ~logical
+
+
+def _all_to_all_from_dispatch(ts: TableSet, acc: str, span: str, inner: Sequence[Mapping[str, Any]],
+                              level: Mapping[str, Any]) -> Optional[tuple[float, str, tuple[str, ...]]]:
     """An all-to-all efficiency for a span without all-to-all rows, from the accelerator's EP
-    dispatch/combine measurements there (normal kernels): DeepEP-style GB/s count every token a
-    rank receives, local ones too, so the link carries (ep - 1)/ep of it; efficiency = the mean over
-    the rows of bandwidth x (ep - 1)/ep / the level's link bandwidth."""
+    dispatch/combine measurements there (normal kernels). DeepEP-style GB/s count every token a
+    rank receives, local ones too; of an all-to-all over ep ranks the share (c - c_in)/ep crosses
+    this level, c = min(ep, level devices), c_in = min(ep, the inner level's devices) (1 at the
+    node), as `perfmodel.comm` charges it; rows that count only NIC bytes (`counts_link_bytes`)
+    count that share already. efficiency = the median over rows of GB/s x share / the level's link
+    bandwidth."""
     table = ts.tables["ep_dispatch"].rows_of(acc)
     rows = table.select((table["span"] == span) & (table["mode"] == "normal") & np.isfinite(table["bandwidth_gbps"])
                         & np.isfinite(table["ep"]))
     if len(rows) == 0:
         return None
-    link = rows["bandwidth_gbps"] * 1e9 * (rows["ep"] - 1.0) / rows["ep"]
-    eff = float(np.mean(link) / float(level["bandwidth_bytes_per_s"]))
+    ep = rows["ep"]
+    inside = float(inner[-1]["devices"]) if inner else 1.0
+    share = np.where(counts_link_bytes(rows["bandwidth_kind"]), 1.0,
+                     (np.minimum(ep, float(level["devices"])) - np.minimum(ep, inside)) / ep)
+    link = rows["bandwidth_gbps"] * 1e9 * share
+    eff = float(np.median(link) / float(level["bandwidth_bytes_per_s"]))
     libraries = ", ".join(sorted(set(str(x) for x in rows["library"])))
-    return (eff, f"all_to_all from {len(rows)} EP dispatch/combine rows ({libraries}, normal kernels): mean GB/s x "
-                 "(ep - 1)/ep over the link bandwidth", _sources(rows))
+    return (eff, f"all_to_all from {len(rows)} EP dispatch/combine rows ({libraries}, normal kernels): median GB/s x "
+                 "the share crossing this level ((c - c_inner)/ep; 1 for NIC-counted RDMA GB/s) over the link bandwidth", _sources(rows))
 
 
 def _sources(rows: KernelTable) -> tuple[str, ...]:

@@ -9,7 +9,10 @@ forms the step prices with, so a test can hold every bundled cluster to its meas
 - memory_kernels: achieved bytes/s of the row's kernel class at its size;
 - collectives: `perfmodel.comm.collective_time` of the row's collective on `ranks` ranks, for
   messages of at least COLLECTIVE_MIN_BYTES (below it NCCL switches to its low-latency protocols,
-  which a two-parameter alpha-beta curve does not follow; training moves larger messages).
+  which a two-parameter alpha-beta curve does not follow; training moves larger messages);
+- ep_dispatch (normal kernels, on levels whose all-to-all the build took from them): the
+  all-to-all time of DISPATCH_BYTES over `ep` ranks against the row's GB/s, counted as the
+  build counts it (`perfmodel.kernels.build.counts_link_bytes`).
 Only rows the fit used are scored (not `excluded`, the accelerator's own, a modelled precision).
 """
 
@@ -26,6 +29,8 @@ from perfmodel.kernels.tables import KernelTable
 from perfmodel.specs.cluster import ClusterSpec
 
 COLLECTIVE_MIN_BYTES = 1 << 20
+DISPATCH_BYTES = float(1 << 28)
+"""The per-rank buffer a normal (bandwidth) dispatch row is scored at: its latency is negligible."""
 COLLECTIVE_NAME = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
                    "all_to_all": "all_to_all", "send_recv": "p2p"}
 
@@ -134,6 +139,31 @@ def collective_errors(cluster: ClusterSpec, rows: KernelTable, spans: Mapping[st
     return np.asarray(out)
 
 
+def dispatch_errors(cluster: ClusterSpec, rows: KernelTable, spans: Mapping[str, int]) -> np.ndarray:
+    """Normal-kernel rows on the levels whose all-to-all figure came from dispatch rows."""
+    from perfmodel.kernels.build import counts_link_bytes
+
+    out = []
+    for i in range(len(rows)):
+        span = str(rows["span"][i])
+        if str(rows["mode"][i]) != "normal" or span not in spans or not np.isfinite(rows["bandwidth_gbps"][i]):
+            continue
+        j = spans[span]
+        level = cluster.levels[j]
+        fit = level.collective_fit
+        if fit is None or "EP dispatch" not in (fit.derived or ""):
+            continue
+        ep = float(rows["ep"][i])
+        inside = float(cluster.levels[j - 1].devices) if j > 0 else 1.0
+        share = 1.0
+        if bool(counts_link_bytes(np.asarray([rows["bandwidth_kind"][i]]))[0]):
+            share = (min(ep, float(level.devices)) - min(ep, inside)) / ep
+        measured = DISPATCH_BYTES * share / (rows["bandwidth_gbps"][i] * 1e9)
+        predicted = float(collective_time(cluster, "all_to_all", DISPATCH_BYTES, ep, 1.0))
+        out.append(predicted / measured - 1.0)
+    return np.asarray(out)
+
+
 def table_errors(cluster: ClusterSpec, tables: Mapping[str, KernelTable], accelerator: str,
                  spans: Mapping[str, int]) -> dict[str, np.ndarray]:
     """Relative error of every used row of `accelerator` per kind, from the cluster's figures."""
@@ -144,4 +174,5 @@ def table_errors(cluster: ClusterSpec, tables: Mapping[str, KernelTable], accele
         "attention": attention_errors(cluster, own["attention"]),
         "memory_kernels": memory_errors(cluster, own["memory_kernels"]),
         "collectives": collective_errors(cluster, own["collectives"], spans),
+        "ep_dispatch": dispatch_errors(cluster, own["ep_dispatch"], spans),
     }

@@ -287,7 +287,7 @@ def used_rows(table: KernelTable, peaks: dict[tuple[str, str], float], grouped: 
     keep = np.isfinite(m) & np.isfinite(table["n"]) & np.isfinite(table["k"])
     if not grouped and table.get("role") is not None:
         keep |= table["role"] == "ceiling"
-    return keep & np.asarray([(str(a), str(p)) in peaks for a, p in zip(table["accelerator"], table["precision"])])
+    return keep & np.asarray([(str(a), str(p)) in peaks for a, p in zip(table["accelerator"], table["precision"])], dtype=bool)
 
 
 # ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import yaml
 from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
-from perfmodel.specs.kernels import KernelFigures
+from perfmodel.specs.kernels import KernelFigures, provenance
 from perfmodel.specs.strict import check, spec_to_dict
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -118,6 +118,9 @@ class CollectiveFit:
     rows: int = 0
     median_abs_error: Optional[float] = None
     derived: str = ""
+
+    def __post_init__(self) -> None:
+        provenance(self.rows, self.median_abs_error, self.source, self.derived)
 
 
 @dataclass(frozen=True)
