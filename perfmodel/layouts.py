@@ -21,8 +21,8 @@ import numpy as np
 
 from perfmodel.evaluate import REASONS, EvalResult, evaluate
 from perfmodel.specs.layout import (
-    DP_FLAVORS,
     BOOL_FIELDS,
+    DP_FLAVORS,
     LAYOUT_FIELDS,
     PRECISIONS,
     RECOMPUTE_MODES,

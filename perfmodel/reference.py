@@ -342,7 +342,11 @@ class _StageView:
 
 
 class _AsyncHost:
-    """An accelerator host enqueues ahead of the device: only launch time beyond device time shows."""
+    """An accelerator host enqueues ahead of the device: only launch time beyond device time
+    shows; each routed MoE layer forward (recomputed too) waits one device-to-host read."""
+
+    def __init__(self, cluster: ClusterSpec) -> None:
+        self.sync_s = cluster.accelerator.host_sync_latency_s
 
     def share(self, devices: int) -> float:
         return 1.0
@@ -360,7 +364,9 @@ class _AsyncHost:
     def dispatch_s(self, st: _StageView, fwd_kernels: float, bwd_kernels: float, fwd_device_s: float,
                    bwd_device_s: float, dev: _Device) -> float:
         lat = dev.launch_latency_s
-        return max(fwd_kernels * lat - fwd_device_s, 0.0) + max(bwd_kernels * lat - bwd_device_s, 0.0)
+        syncs = (st.c["moe"] if st.arch.n_experts > 0 and self.sync_s is not None else 0.0) * (2.0 if st.full else 1.0)
+        return (max(fwd_kernels * lat - fwd_device_s, 0.0) + max(bwd_kernels * lat - bwd_device_s, 0.0)
+                + syncs * ((self.sync_s or 0.0) + lat))
 
     def optimizer_s(self, st: _StageView, optimizer_bytes: float, dev: _Device, coll: Coll) -> float:
         kernels = OPT_KERNELS_PER_LAYER * max(st.c["attention"], 1.0)
@@ -460,7 +466,7 @@ class _EagerHost:
 
 
 def _host(cluster: ClusterSpec) -> Union[_AsyncHost, _EagerHost]:
-    return _AsyncHost() if cluster.host_cores is None else _EagerHost(cluster)
+    return _AsyncHost(cluster) if cluster.host_cores is None else _EagerHost(cluster)
 
 
 def _eager_ops(arch: MoEArchitecture) -> dict[str, tuple[float, float]]:

@@ -54,6 +54,10 @@ class Accelerator:
     recompute (None: not priced). Measured by `mosaic calibrate` on cpu."""
     checkpoint_saved_tensor_latency_s: Optional[float] = None
     """Host time per tensor a checkpointed region saves (pack, recompute, unpack hooks)."""
+    host_sync_latency_s: Optional[float] = None
+    """Host time of a device-to-host read the host must wait for (the stream drains, a small
+    copy comes back), as MoE token dispatchers do once per layer to learn the split sizes
+    (`perfmodel.host.MOE_HOST_SYNCS_PER_LAYER`); the device idles meanwhile (None: not priced)."""
     dtensor_op_latency_s: Optional[float] = None
     """Host time one DTensor op adds beyond the single-device ops (tensor parallel in eager
     PyTorch: sharding propagation, wrapping); priced on CPU clusters, whose ranks run the
@@ -71,7 +75,8 @@ class Accelerator:
               "must be in (0, hbm_bytes]", "lower it or leave it out")
         check(self.hbm_bandwidth_bytes_per_s > 0, "hbm_bandwidth_bytes_per_s", "must be > 0", "write e.g. 3.35e12")
         check(self.launch_latency_s >= 0, "launch_latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
-        for key in ("dtensor_op_latency_s", "checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s"):
+        for key in ("dtensor_op_latency_s", "checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s",
+                    "host_sync_latency_s"):
             value = getattr(self, key)
             check(value is None or (math.isfinite(value) and value >= 0), key, "must be >= 0 seconds",
                   "write seconds, e.g. 6.0e-5, or leave it out")

@@ -12,9 +12,9 @@ import pytest
 from perfmodel import REASONS, evaluate, goodput, load_cluster
 from perfmodel.comm import collective_time
 from perfmodel.evaluate import HIDDEN_COMPONENTS, STEP_COMPONENTS
+from perfmodel.kernels import flat_figures
 from perfmodel.memory import MEMORY_COMPONENTS
 from perfmodel.operators import PHASES, layer_ops
-from perfmodel.kernels import flat_figures
 from perfmodel.specs import ArchBatch, LayoutBatch, MoEArchitecture, ParallelLayout, parse_layout
 from perfmodel.specs.architecture import active_params, norm_params
 
@@ -418,3 +418,24 @@ def test_attention_core_runs_at_its_own_fitted_efficiency():
     assert priced.breakdown["attention"][0] == pytest.approx(2 * base.breakdown["attention"][0], rel=1e-6)
     assert priced.breakdown["compute"][0] == pytest.approx(base.breakdown["compute"][0], rel=1e-9)
     assert priced.step_time_s[0] > base.step_time_s[0]
+
+def test_moe_host_synchronisations_serialise_once_per_routed_layer_forward():
+    """Each routed MoE layer's forward waits one device-to-host read (split sizes): the step
+    pays (host_sync + launch) per MoE layer and micro-batch, twice under full recompute; a
+    dense model and a cluster that prices no sync pay nothing of it."""
+    from perfmodel.host import MOE_HOST_SYNCS_PER_LAYER
+
+    acc = H100.accelerator
+    assert acc.host_sync_latency_s and "host_sync_latency_s" in acc.sources
+    no_sync = dataclasses.replace(H100, accelerator=dataclasses.replace(acc, host_sync_latency_s=None))
+    per_sync = acc.host_sync_latency_s + acc.launch_latency_s
+    moe_layers = SMALL_MOE.n_layers - SMALL_MOE.n_dense_layers
+    for recompute, factor in (("none", 1.0), ("full", 2.0)):
+        layout = ParallelLayout(mbs=1, gbs=4, recompute=recompute).resolve(1)
+        micro_batches = 4
+        with_sync = evaluate(SMALL_MOE, layout, H100).breakdown["dispatch"][0]
+        without = evaluate(SMALL_MOE, layout, no_sync).breakdown["dispatch"][0]
+        expected = micro_batches * factor * MOE_HOST_SYNCS_PER_LAYER * moe_layers * per_sync
+        assert with_sync - without == pytest.approx(expected, rel=1e-6)
+    layout = ParallelLayout(mbs=1, gbs=4).resolve(1)
+    assert evaluate(DENSE, layout, H100).breakdown["dispatch"][0] == evaluate(DENSE, layout, no_sync).breakdown["dispatch"][0]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from perfmodel.specs.layout import OVERLAP_FIELDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +12,7 @@ from perfmodel import REASONS, evaluate, load_cluster
 from perfmodel.evaluate import STEP_COMPONENTS
 from perfmodel.reference import evaluate_one
 from perfmodel.specs import LayoutBatch, MoEArchitecture, ParallelLayout
+from perfmodel.specs.layout import OVERLAP_FIELDS
 from perfmodel.validity import valid_mask
 
 CLUSTERS = {name: load_cluster(name) for name in ("h100", "ascend_superpod", "gb200_nvl72", "cpu_local")}
