@@ -439,3 +439,17 @@ def test_moe_host_synchronisations_serialise_once_per_routed_layer_forward():
         assert with_sync - without == pytest.approx(expected, rel=1e-6)
     layout = ParallelLayout(mbs=1, gbs=4).resolve(1)
     assert evaluate(DENSE, layout, H100).breakdown["dispatch"][0] == evaluate(DENSE, layout, no_sync).breakdown["dispatch"][0]
+
+
+def test_mfu_at_128k_context_counts_the_causal_attention_executed():
+    """At 128k tokens attention is most of the step: MFU counts the causal half the kernels
+    execute, so it stays below 1 even on a device that runs every kernel at its peak, while
+    the PaLM/Megatron convention (non-causal 12·L·s·h_q) reports more than was run."""
+    long = MoEArchitecture(n_layers=4, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=32000,
+                           seq_len=131072, d_ff_dense=14336, gated_ffn=True)
+    layout = ParallelLayout(mbs=1, gbs=1).resolve(1)
+    perfect = evaluate(long, layout, ideal_cluster(1.0))
+    assert perfect.mfu[0] <= 1.0 + 1e-9
+    assert perfect.mfu_palm[0] > 1.0  # the convention's numerator counts the masked half too
+    real = evaluate(long, layout, H100)
+    assert 0.0 < real.mfu[0] < 1.0 and real.mfu_palm[0] > real.mfu[0]
