@@ -15,6 +15,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
+from perfmodel.operators import DDP, FP32, FULL, dp_flavor_code, precision_code, recompute_code
 from perfmodel.specs.architecture import MoEArchitecture
 from perfmodel.specs.layout import ParallelLayout
 from perfmodel.specs.protocols import ArchLike, Flag, LayoutLike
@@ -72,6 +73,26 @@ def batch_divides(arch: ArchLike, lay: LayoutLike) -> Flag:
     return _a(lay.gbs) % (_a(lay.mbs) * lay.dp) == 0
 
 
+def tp_overlap_needs_tp(arch: ArchLike, lay: LayoutLike) -> Flag:
+    """TP communication overlap needs tensor parallelism. (Megatron's `--tp-comm-overlap` also
+    needs sequence parallel; MindSpeed's CoC overlaps the plain all-reduces: the exporters check.)"""
+    return ~_a(lay.tp_comm_overlap) | (_a(lay.tp) > 1)
+
+
+def ep_overlap_conditions(arch: ArchLike, lay: LayoutLike) -> Flag:
+    """EP all-to-all overlap (Megatron-Core `overlap_moe_expert_parallel_comm`, TransformerConfig
+    checks): ep > 1, no full recompute, an interleaved schedule under pp > 1, a bf16/fp16 model."""
+    ok = ((_a(lay.ep) > 1) & (recompute_code(lay) != FULL) & ((_a(lay.pp) == 1) | (_a(lay.vpp) > 1))
+          & (precision_code(lay) != FP32))
+    return ~_a(lay.ep_comm_overlap) | ok
+
+
+def param_gather_overlap_needs_sharding(arch: ArchLike, lay: LayoutLike) -> Flag:
+    """Only sharded optimizers gather parameters: overlap_param_gather needs zero1 or fsdp
+    (Megatron-LM validate_args: distributed optimizer or Megatron-FSDP)."""
+    return ~_a(lay.overlap_param_gather) | (dp_flavor_code(lay) != DDP)
+
+
 def world_matches(arch: ArchLike, lay: LayoutLike, devices: ArrayLike) -> Flag:
     """tp * cp * pp * dp uses exactly the devices of the job."""
     return _a(lay.tp) * lay.cp * lay.pp * lay.dp == _a(devices)
@@ -87,6 +108,9 @@ RULES: tuple[tuple[str, Callable[[ArchLike, LayoutLike], Flag], str], ...] = (
     ("expert_folding", expert_folding, "etp*ep={etp}*{ep} must divide tp*cp*dp={tp}*{cp}*{dp} (experts fold onto the data-parallel ranks); lower ep or etp"),
     ("etp_divides_expert", etp_divides_expert, "etp={etp} must divide d_expert={d_expert} (etp=1 for a dense model)"),
     ("batch_divides", batch_divides, "gbs={gbs} must be a multiple of mbs*dp={mbs}*{dp}; change gbs or mbs"),
+    ("tp_overlap_needs_tp", tp_overlap_needs_tp, "tp_comm_overlap needs tp > 1 (tp={tp}); turn it off or raise tp"),
+    ("ep_overlap_conditions", ep_overlap_conditions, "ep_comm_overlap needs ep > 1, recompute other than full, vpp > 1 under pp > 1 and a bf16/fp16/fp8 run (ep={ep}, recompute={recompute}, pp={pp}, vpp={vpp}, precision={precision}); turn it off or meet them"),
+    ("param_gather_overlap_needs_sharding", param_gather_overlap_needs_sharding, "overlap_param_gather needs dp_flavor zero1 or fsdp (got {dp_flavor}); turn it off or shard the optimizer"),
 )
 
 

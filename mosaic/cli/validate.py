@@ -15,7 +15,10 @@ from mosaic.cli.common import cli_errors, console, print_json
 
 
 def _pct(value: float) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:+.1f}%"
+    """Signed percent: one decimal below 100%, none from there (the column stays narrow)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{100 * value:+.1f}%" if abs(value) < 0.995 else f"{100 * value:+.0f}%"
 
 
 def _num(value: float, fmt: str) -> str:

@@ -26,6 +26,12 @@ Mapping from the plan (MOSAIC symbol -> Megatron option):
                         full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
   precision             bf16: --bf16; fp16: --fp16; fp8: --bf16 --fp8-format hybrid --fp8-recipe delayed;
                         mxfp8: --bf16 --fp8-format e4m3 --fp8-recipe mxfp8; fp32: (none)
+  overlap switches      overlap_grad_reduce: --overlap-grad-reduce; overlap_param_gather:
+                        --overlap-param-gather (zero1/fsdp, validate_args); tp_comm_overlap:
+                        --tp-comm-overlap (needs --sequence-parallel, validate_args); ep_comm_overlap:
+                        --overlap-moe-expert-parallel-comm (ModelParallelConfig fields, flags built by
+                        ArgumentGroupFactory; TransformerConfig checks ep > 1, no full recompute, vpp
+                        under pp > 1)
   train iterations      --train-iters ceil(tokens / (gbs * seq_len))
 The model flags describe the bundled trainer's model: RMSNorm, RoPE (base
 10000, Megatron's default), GQA, no linear biases, SwiGLU (or GeLU MLP).
@@ -38,6 +44,7 @@ from typing import Any, Optional
 
 from mosaic.exports.common import bash_array, header, node_shape
 from mosaic.planfile import Plan
+from perfmodel.errors import InputError
 
 MEGATRON_MATCHED = ("NVIDIA/Megatron-LM commit d98e8a64ddf3 (2026-08-22, megatron-core 0.20.0), "
                     "megatron/training/arguments.py")
@@ -121,6 +128,25 @@ def recompute_args(plan: Plan) -> list[str]:
     return []
 
 
+def overlap_args(plan: Plan, tp_flag: str = "--tp-comm-overlap",
+                 ep_flag: str = "--overlap-moe-expert-parallel-comm") -> list[str]:
+    """The layout's overlap switches as flags (`tp_flag` / `ep_flag`: the framework's names)."""
+    lay = plan.layout
+    if lay.tp_comm_overlap and tp_flag == "--tp-comm-overlap" and not (lay.sequence_parallel and lay.tp > 1):
+        raise InputError(f"{plan.source}: key 'layout.tp_comm_overlap': Megatron overlaps tensor-parallel "
+                         "communication only under sequence parallel; set sequence_parallel=true or turn it off")
+    args = []
+    if lay.overlap_grad_reduce:
+        args.append("--overlap-grad-reduce")
+    if lay.overlap_param_gather:
+        args.append("--overlap-param-gather")
+    if lay.tp_comm_overlap:
+        args.append(tp_flag)
+    if lay.ep_comm_overlap and plan.model.n_experts > 0:
+        args.append(ep_flag)
+    return args
+
+
 def precision_args(plan: Plan) -> list[str]:
     return {
         "fp32": [],
@@ -142,13 +168,20 @@ MEGATRON_FSDP = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "op
 """Megatron-FSDP v1 needs the distributed optimizer and the fsdp_dtensor checkpoint format (validate_args)."""
 
 
-def pretrain_gpt_groups(plan: Plan, moe: list[str], fsdp: Any) -> list[ArgGroup]:
-    """The plan-derived groups of a Megatron `pretrain_gpt.py` (also MindSpeed-LLM's), given the MoE flags."""
+def pretrain_gpt_groups(plan: Plan, moe: list[str], fsdp: Any, overlap: Optional[list[str]] = None
+                        ) -> list[ArgGroup]:
+    """The plan-derived groups of a Megatron `pretrain_gpt.py` (also MindSpeed-LLM's), given the
+    MoE flags (and the overlap flags; default Megatron's, `overlap_args`)."""
+    lay = plan.layout
+    switches = [name for name in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap")
+                if getattr(lay, name)]
     return [
         ArgGroup("MODEL_ARGS", "model geometry (plan: model)", tuple(model_args(plan))),
         ArgGroup("MOE_ARGS", "routed/shared experts (plan: model)", tuple(moe)),
         ArgGroup("PARALLEL_ARGS", "parallel layout (plan: layout); dp = world / (tp*cp*pp) is derived",
                  tuple(parallel_args(plan, fsdp))),
+        ArgGroup("OVERLAP_ARGS", f"communication overlap (plan: {', '.join(switches) or 'none'})",
+                 tuple(overlap_args(plan) if overlap is None else overlap)),
         ArgGroup("RECOMPUTE_ARGS", f"activation recompute: {plan.layout.recompute}", tuple(recompute_args(plan))),
         ArgGroup("PRECISION_ARGS", f"precision: {plan.layout.precision}", tuple(precision_args(plan))),
         ArgGroup("BATCH_ARGS", f"batch and length: train-iters = ceil(tokens / (gbs * seq_len)) = "

@@ -30,6 +30,9 @@ dp_flavor fsdp uses Megatron core_v0.12.1's custom FSDP as MindSpeed documents i
 optim_grads_params --no-gradient-accumulation-fusion --use-distributed-optimizer, with
 CUDA_DEVICE_MAX_CONNECTIONS unset), without --moe-alltoall-overlap-comm (MindSpeed's own
 custom-FSDP test, tests_extend/system_tests/feature_tests/custom_fsdp.sh, does not combine them).
+Overlap switches: overlap_grad_reduce / overlap_param_gather -> Megatron's flags; tp_comm_overlap
+-> --use-ascend-coc (mindspeed/features_manager/tensor_parallel/locl_coc.py, CoC: communication
+over computation); ep_comm_overlap -> --moe-alltoall-overlap-comm.
 Refused (InputError): fp8/mxfp8 precision.
 """
 
@@ -38,7 +41,7 @@ from __future__ import annotations
 from typing import Optional
 
 from mosaic.exports.common import bash_array
-from mosaic.exports.megatron import ArgGroup, expert_args, launch_script, pretrain_gpt_groups
+from mosaic.exports.megatron import ArgGroup, expert_args, launch_script, overlap_args, pretrain_gpt_groups
 from mosaic.planfile import Plan
 from perfmodel.errors import InputError
 
@@ -71,9 +74,21 @@ def mindspeed_moe_args(plan: Plan) -> list[str]:
     if m.n_dense_layers > 0:
         args += ["--first-k-dense-replace", str(m.n_dense_layers), "--moe-layer-freq", "1"]
     args += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"]
-    if plan.layout.ep > 1 and plan.layout.dp_flavor != "fsdp":
-        args.append("--moe-alltoall-overlap-comm")
     return args
+
+
+def mindspeed_overlap_args(plan: Plan) -> list[str]:
+    """Megatron's data-parallel overlap flags (core_v0.12.1: --overlap-param-gather needs
+    --overlap-grad-reduce), MindSpeed's CoC for tensor-parallel overlap (--use-ascend-coc) and
+    its all-to-all overlap for expert parallel (--moe-alltoall-overlap-comm)."""
+    lay = plan.layout
+    if lay.overlap_param_gather and not lay.overlap_grad_reduce:
+        raise InputError(f"{plan.source}: key 'layout.overlap_param_gather': Megatron core_v0.12.1 (MindSpeed-LLM) "
+                         "overlaps the parameter gather only with overlap_grad_reduce; turn both on or both off")
+    if lay.ep_comm_overlap and lay.dp_flavor == "fsdp":
+        raise InputError(f"{plan.source}: key 'layout.ep_comm_overlap': MindSpeed's custom FSDP is not combined with "
+                         "--moe-alltoall-overlap-comm; use zero1 or turn it off")
+    return overlap_args(plan, tp_flag="--use-ascend-coc", ep_flag="--moe-alltoall-overlap-comm")
 
 
 def mindspeed_fused_args(plan: Plan) -> list[str]:
@@ -88,7 +103,7 @@ def mindspeed_fused_args(plan: Plan) -> list[str]:
 def mindspeed_groups(plan: Plan) -> list[ArgGroup]:
     """Plan-derived groups for MindSpeed-LLM's pretrain_gpt.py."""
     _check_supported(plan)
-    groups = pretrain_gpt_groups(plan, list(mindspeed_moe_args(plan)), MINDSPEED_FSDP)
+    groups = pretrain_gpt_groups(plan, list(mindspeed_moe_args(plan)), MINDSPEED_FSDP, mindspeed_overlap_args(plan))
     groups.append(ArgGroup("MINDSPEED_ARGS", "MindSpeed fused kernels and launch options", tuple(mindspeed_fused_args(plan))))
     return [g for g in groups if g.args]
 

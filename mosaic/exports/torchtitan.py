@@ -31,6 +31,12 @@ Layout mapping:
           ranks, so the smallest shard degree that holds ep is used (HSDP) and the header says so
   recompute selective -> mode "selective" with selective_ac_option "op" (per-op policy: matmul
           outputs saved, cheap ops recomputed; Megatron's selective recomputes the attention core)
+  overlap tp_comm_overlap -> parallelism.enable_async_tensor_parallel = true with compile.enable
+          = true (async TP runs only compiled, job_config.py); overlap_grad_reduce /
+          overlap_param_gather: FSDP2 prefetches the next gather and reduces behind the backward
+          by itself (nothing to set; a plan with them off says so in a WARNING); ep_comm_overlap:
+          refused (v0.2.2 overlaps expert-parallel communication only inside the DualPipeV
+          pipeline schedule, `pipeline_parallel_expert_parallel_overlap`)
 """
 
 from __future__ import annotations
@@ -84,6 +90,9 @@ def model_differences(plan: Plan) -> list[str]:
         notes.append("torchtitan's FFN is SwiGLU; the plan's model uses a plain (GeLU) MLP")
     if lay.tp > 1 and not lay.sequence_parallel:
         notes.append("torchtitan's tensor parallel always shards norms over the sequence (sequence parallel)")
+    if not (lay.overlap_grad_reduce and (lay.overlap_param_gather or lay.dp_flavor == "ddp")):
+        notes.append("torchtitan's FSDP2/DDP overlap the gradient reduce and parameter gather by themselves; "
+                     "the plan priced them exposed (overlap_grad_reduce / overlap_param_gather off)")
     return notes
 
 
@@ -185,6 +194,12 @@ def job_tables(plan: Plan) -> dict[str, dict[str, Any]]:
             "pipeline_parallel_last_stage_less_layers": 0,
             "pipeline_parallel_microbatch_size": lay.mbs,
         })
+    if lay.ep_comm_overlap:
+        raise InputError(f"{plan.source}: key 'layout.ep_comm_overlap': torchtitan v0.2.2 overlaps expert-parallel "
+                         "communication only in the DualPipeV pipeline schedule; plan with ep_comm_overlap=false")
+    if lay.tp_comm_overlap:
+        tables["parallelism"]["enable_async_tensor_parallel"] = True
+        tables["compile"] = {"enable": True}
     checkpoint = tables["activation_checkpoint"]
     checkpoint["mode"] = lay.recompute
     if lay.recompute == "selective":

@@ -16,6 +16,7 @@ depends on seq_len).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from importlib import resources
@@ -27,7 +28,7 @@ import numpy as np
 from perfmodel import layouts as perfmodel_layouts
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
-from perfmodel.specs.layout import DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
+from perfmodel.specs.layout import DP_FLAVORS, OVERLAP_FIELDS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
 from perfmodel.specs.strict import check, load_spec, spec_from_dict
 
 IntList = tuple[int, ...]
@@ -108,6 +109,12 @@ class LayoutSpace:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: Union[tuple[bool, ...], str] = "auto"
     precision: tuple[str, ...] = ("bf16",)
+    overlap_grad_reduce: tuple[bool, ...] = (True,)
+    overlap_param_gather: tuple[bool, ...] = (True,)
+    tp_comm_overlap: tuple[bool, ...] = (False,)
+    ep_comm_overlap: tuple[bool, ...] = (False,)
+    """The frameworks' overlap switches to search (`ParallelLayout`): list [false, true] to let
+    the planner choose; each export sets the chosen ones' flags."""
     gbs_tokens: float = 8.0e6
     """Global batch: the smallest multiple of mbs*dp holding this many tokens (`gbs_holding_tokens`)."""
 
@@ -126,6 +133,10 @@ class LayoutSpace:
         if isinstance(self.sequence_parallel, str):
             check(self.sequence_parallel == "auto", "sequence_parallel", f"{self.sequence_parallel!r} is not 'auto'",
                   "write auto or a list of true/false")
+        for key in OVERLAP_FIELDS:
+            values = getattr(self, key)
+            check(len(values) > 0 and all(isinstance(v, bool) for v in values), key,
+                  f"must be a non-empty list of true/false, got {list(values)}", "write e.g. [false, true]")
         check(self.gbs_tokens > 0, "gbs_tokens", "must be > 0", "e.g. 8.0e6")
 
 
@@ -285,7 +296,8 @@ def layout_grid(resolved: ResolvedSpace, devices: int) -> LayoutBatch:
     lay = resolved.space.layout
     grid = perfmodel_layouts.layout_grid(
         devices, tp=resolved.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, etp=lay.etp, cp=lay.cp, dp_flavor=lay.dp_flavor,
-        mbs=lay.mbs, recompute=lay.recompute, precision=lay.precision, sequence_parallel=resolved.sequence_parallel)
+        mbs=lay.mbs, recompute=lay.recompute, precision=lay.precision, sequence_parallel=resolved.sequence_parallel,
+        overlaps=tuple(itertools.product(*(getattr(lay, key) for key in OVERLAP_FIELDS))))
     if len(grid) == 0:
         raise InputError(f"search space: no layout of tp/cp/pp divides devices={devices}; "
                          "add 1 to layout.tp, layout.pp and layout.cp")

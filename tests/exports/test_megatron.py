@@ -161,10 +161,9 @@ def test_mindspeed_script_carries_the_plan(tmp_path, fake_bin):
     assert as_int(values, "--num-experts") == plan.model.n_experts
     assert as_int(values, "--expert-model-parallel-size") == plan.layout.ep
     for flag in ("--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn",
-                 "--moe-alltoall-overlap-comm", "--moe-grouped-gemm"):
+                 "--moe-grouped-gemm", "--overlap-grad-reduce", "--overlap-param-gather"):
         assert flag in values
-    # MindSpeed's documented preconditions of --moe-alltoall-overlap-comm
-    assert values["--moe-token-dispatcher-type"] == ["alltoall"] and plan.layout.ep > 1
+    assert "--moe-alltoall-overlap-comm" not in values and not plan.layout.ep_comm_overlap
     assert as_int(values, "--padded-vocab-size") == plan.model.vocab_size
     assert launcher[launcher.index("--nproc_per_node") + 1] == "16"
     assert launcher[launcher.index("--nnodes") + 1] == "4"
@@ -210,3 +209,40 @@ def test_mindspeed_fsdp_uses_custom_fsdp_without_alltoall_overlap():
 def test_mindspeed_refuses_what_it_cannot_run(layout, key):
     with pytest.raises(InputError, match=key):
         render(plan_from_dict(variant(layout=layout)), "mindspeed")
+
+
+ALL_OVERLAPS = {"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": True,
+                "ep_comm_overlap": True}
+
+
+@pytest.mark.parametrize("switches", [
+    ALL_OVERLAPS, {k: False for k in ALL_OVERLAPS}, {"overlap_grad_reduce": True, "ep_comm_overlap": True},
+], ids=["all", "none", "grad-and-ep"])
+def test_every_overlap_switch_sets_its_megatron_flag(switches):
+    plan = plan_from_dict(variant(layout={**{k: False for k in ALL_OVERLAPS}, **switches}), "plan.yaml")
+    values = parse(megatron_argv(plan), MEGATRON_OPTIONS)
+    flags = {"overlap_grad_reduce": "--overlap-grad-reduce", "overlap_param_gather": "--overlap-param-gather",
+             "tp_comm_overlap": "--tp-comm-overlap", "ep_comm_overlap": "--overlap-moe-expert-parallel-comm"}
+    for key, flag in flags.items():
+        assert (flag in values) == bool(switches.get(key, False)), key
+
+
+def test_mindspeed_overlaps_tp_by_coc_and_ep_by_its_alltoall_overlap():
+    plan = plan_from_dict(variant(layout=ALL_OVERLAPS), "plan.yaml")
+    values = parse(mindspeed_argv(plan), {**MEGATRON_CORE_0_12_1_OPTIONS, **MINDSPEED_OPTIONS}, MINDSPEED_EXTRA_CHOICES)
+    for flag in ("--overlap-grad-reduce", "--overlap-param-gather", "--use-ascend-coc", "--moe-alltoall-overlap-comm"):
+        assert flag in values
+    assert "--tp-comm-overlap" not in values
+    # MindSpeed's documented preconditions of --moe-alltoall-overlap-comm
+    assert values["--moe-token-dispatcher-type"] == ["alltoall"] and plan.layout.ep > 1
+
+
+@pytest.mark.parametrize("layout, render_to, key", [
+    ({"tp_comm_overlap": True, "sequence_parallel": False}, "megatron", "layout.tp_comm_overlap"),
+    ({"overlap_param_gather": True, "overlap_grad_reduce": False}, "mindspeed", "layout.overlap_param_gather"),
+])
+def test_an_overlap_the_framework_cannot_run_is_refused_by_name(layout, render_to, key):
+    plan = plan_from_dict(variant(layout=layout), "plan.yaml")
+    with pytest.raises(InputError, match=key.replace(".", r"\.")) as refused:
+        render(plan, render_to, gpus_per_node=8)
+    assert "\n" not in str(refused.value)

@@ -13,7 +13,7 @@ except ModuleNotFoundError:  # Python 3.10: tomllib is 3.11+
     tomllib = pytest.importorskip("tomli", reason="Python 3.10 without tomli: no TOML parser to check the export")
 
 from mosaic.exports import render
-from mosaic.exports.torchtitan import flavor_module, flavor_name
+from mosaic.exports.torchtitan import flavor_module, flavor_name, job_tables
 from mosaic.planfile import plan_from_dict, read_plan
 from perfmodel.errors import InputError
 from tests.exports._plans import DEEPSEEK_LIKE, DENSE, EXAMPLE, variant
@@ -137,8 +137,8 @@ def test_torchtitan_fsdp_fp8_cp_and_differences():
 
 
 @pytest.mark.parametrize("layout", [
-    {"dp_flavor": "ddp"},  # ep=8 over tp*cp=2: needs a shard degree of 4 (HSDP)
-    {"dp_flavor": "ddp", "ep": 2},  # ep fits inside tp: pure DDP
+    {"dp_flavor": "ddp", "overlap_param_gather": False},  # ep=8 over tp*cp=2: needs a shard degree of 4 (HSDP)
+    {"dp_flavor": "ddp", "ep": 2, "overlap_param_gather": False},  # ep fits inside tp: pure DDP
     {"pp": 1, "vpp": 1, "dp": 32, "gbs": 512},  # no pipeline: gradient accumulation
     {"etp": 2, "ep": 4},
     {"precision": "mxfp8"},
@@ -150,7 +150,7 @@ def test_torchtitan_layouts_keep_the_invariants(layout):
 
 
 def test_torchtitan_ddp_uses_the_smallest_shard_that_holds_ep():
-    plan = plan_from_dict(variant(layout={"dp_flavor": "ddp"}))
+    plan = plan_from_dict(variant(layout={"dp_flavor": "ddp", "overlap_param_gather": False}))
     par = load(plan)["parallelism"]
     assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (2, 4)
     assert "2 replicas x 4 shards (HSDP)" in render(plan, "torchtitan")
@@ -171,3 +171,12 @@ def test_torchtitan_dense_model():
 def test_torchtitan_refuses_what_it_cannot_express(layout, key):
     with pytest.raises(InputError, match=key):
         render(plan_from_dict(variant(layout=layout)), "torchtitan")
+
+
+def test_torchtitan_overlaps_tensor_parallel_by_compiled_async_tp_and_refuses_ep_overlap():
+    plan = plan_from_dict(variant(layout={"tp_comm_overlap": True}), "plan.yaml")
+    tables = job_tables(plan)
+    assert tables["parallelism"]["enable_async_tensor_parallel"] is True and tables["compile"]["enable"] is True
+    assert "compile" not in job_tables(plan_from_dict(variant(), "plan.yaml"))
+    with pytest.raises(InputError, match=r"layout\.ep_comm_overlap"):
+        job_tables(plan_from_dict(variant(layout={"ep_comm_overlap": True}), "plan.yaml"))

@@ -32,6 +32,14 @@ TORCHRUN_OPTIONS: torch.distributed.run.get_args_parser() of torch 2.13.
 """
 
 MEGATRON_OPTIONS = {
+    # overlap switches: add_argument in arguments.py (--overlap-grad-reduce, --overlap-param-gather)
+    # and ModelParallelConfig bool fields turned into store_true flags by ArgumentGroupFactory
+    # (arguments.py `ArgumentGroupFactory(TransformerConfig)`; tp_comm_overlap,
+    # overlap_moe_expert_parallel_comm in megatron/core/model_parallel_config.py)
+    '--overlap-grad-reduce': (0, None),
+    '--overlap-param-gather': (0, None),
+    '--tp-comm-overlap': (0, None),
+    '--overlap-moe-expert-parallel-comm': (0, None),
     '--tensor-model-parallel-size': (1, None),
     '--pipeline-model-parallel-size': (1, None),
     '--num-layers-per-virtual-pipeline-stage': (1, None),
@@ -103,6 +111,8 @@ MEGATRON_OPTIONS = {
 }
 
 MEGATRON_CORE_0_12_1_OPTIONS = {
+    '--overlap-grad-reduce': (0, None),  # arguments.py add_argument at core_v0.12.1
+    '--overlap-param-gather': (0, None),  # (validate_args: needs --overlap-grad-reduce)
     '--tensor-model-parallel-size': (1, None),
     '--pipeline-model-parallel-size': (1, None),
     '--num-layers-per-virtual-pipeline-stage': (1, None),
@@ -174,6 +184,7 @@ MEGATRON_CORE_0_12_1_OPTIONS = {
 }
 
 TORCHTITAN_JOB_KEYS = {
+    'compile.enable': 'bool',
     'job.config_file': 'str | None',
     'job.dump_folder': 'str',
     'job.description': 'str',
@@ -254,6 +265,7 @@ MINDSPEED_OPTIONS = {
     "--use-fused-swiglu": (0, None),  # M mindspeed/features_manager/megatron_basic/megatron_basic.py
     "--use-fused-rotary-pos-emb": (0, None),  # M mindspeed/features_manager/fusions/fused_rope.py
     "--moe-alltoall-overlap-comm": (0, None),  # M mindspeed/features_manager/moe/moe_alltoall_overlap.py
+    "--use-ascend-coc": (0, None),  # M mindspeed/features_manager/tensor_parallel/locl_coc.py
     "--first-k-dense-replace": (1, None),  # L mindspeed_llm/features_manager/transformer/transformer_block.py
     "--tokenizer-name-or-path": (1, None),  # L mindspeed_llm/features_manager/tokenizer/build_tokenizer.py
     "--padded-vocab-size": (1, None),  # L mindspeed_llm/features_manager/tokenizer/build_tokenizer.py
