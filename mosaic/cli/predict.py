@@ -93,7 +93,9 @@ def _summary_table(row: dict[str, Any], usable_hbm: float, title: str) -> Table:
     table.add_row("step time", _seconds(row["step_time_s"]))
     table.add_row("tokens/s", f"{row['tokens_per_s']:,.0f}")
     table.add_row("tokens/s per device", f"{row['tokens_per_s_per_device']:,.1f}")
-    table.add_row("MFU", f"{row['mfu']:.1%}")
+    table.add_row("MFU (causal attention as run)", f"{row['mfu']:.1%}")
+    if "mfu_palm" in row:
+        table.add_row("MFU, PaLM/Megatron convention", f"{row['mfu_palm']:.1%}")
     table.add_row("model TFLOP/s per device", f"{row['tflops_per_device']:,.1f}")
     table.add_row("memory per device", f"{_gb(row['memory_per_device_bytes'])} of {_gb(usable_hbm)} usable")
     table.add_row("devices", str(row["devices"]))
