@@ -112,7 +112,8 @@ class _Device:
                     fig, peak = self.gemm, self.gemm_peak
                 rate = peak * self._gemm_eff(fig, *dims)
             compute_s = op["flops"][j] / rate if op["flops"][j] > 0 else 0.0
-            seconds.append(max(compute_s, self.memory_seconds(op["bytes"][j], op["kernels"][j])))
+            operand_s = op["bytes"][j] / (self.acc.hbm_bandwidth_bytes_per_s * self.memory.fraction["copy"])
+            seconds.append(max(compute_s, operand_s))
         return seconds
 
 

@@ -72,7 +72,7 @@ def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
     """Seconds of one op per phase (fwd, dgrad, wgrad).
 
     memory-bound: `HardwareView.memory_seconds(bytes, kernels, class)` of each phase; GEMM:
-    max(FLOPs / gemm_rate(phase dims), copy seconds of its operand bytes), each phase at its own
+    max(FLOPs / gemm_rate(phase dims), `operand_seconds` of its operand bytes), each phase at its own
     (m, n, k) (`kernels.forms.phase_dims`); attention core: max(FLOPs / attention_rate(phase),
     copy seconds), its backward in the dgrad slot."""
     out: list[Values] = []
@@ -93,7 +93,7 @@ def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
             rate = hw.gemm_rate(op.kind, phase, op.shape[0], op.shape[1], op.shape[2])
         with np.errstate(invalid="ignore", divide="ignore"):
             compute_s = np.where(np.asarray(flops) > 0, flops / rate, 0.0)
-        out.append(np.maximum(compute_s, hw.memory_seconds(nbytes, op.kernels[j])))
+        out.append(np.maximum(compute_s, hw.operand_seconds(nbytes)))
     return out[0], out[1], out[2]
 
 

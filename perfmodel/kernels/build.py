@@ -97,8 +97,11 @@ class TableSet:
         self._memory: dict[str, tuple[dict[str, FitResult], float]] = {}
         self._gemm: dict[tuple[str, bool], tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]] = {}
         self._attention: dict[str, Optional[FitResult]] = {}
-        self.borrowed_halves: set[str] = set()
-        """Generations whose dense shape halves are SHAPE_GENERATION's."""
+        self.borrowed_halves: set[tuple[str, str]] = set()
+        """(generation, family) pairs whose dense shape halves are SHAPE_GENERATION's."""
+        self._copy: dict[str, tuple[float, float]] = {}
+        self.tied_halves: set[tuple[str, str]] = set()
+        """(generation, family) pairs measured on squares only: one half for m, n and k."""
 
     # -- memory ----------------------------------------------------------------------------
     def memory(self, acc: str) -> tuple[dict[str, FitResult], float]:
@@ -108,44 +111,51 @@ class TableSet:
             self._memory[acc] = fit_memory(rows, self.hbm[acc]) if len(rows) else ({}, float("nan"))
         return self._memory[acc]
 
-    def copy_fraction(self, acc: str) -> float:
-        fits, _ = self.memory(acc)
-        if "copy" in fits:
-            return fits["copy"].params["fraction"]
-        for other, _, _ in derive.NEAREST.get(acc, ()):
-            if other in self.hbm:
-                fits, _ = self.memory(other)
-                if "copy" in fits:
-                    return fits["copy"].params["fraction"]
-        return 0.9
+    def copy_figures(self, acc: str) -> tuple[float, float]:
+        """(copy fraction of HBM bandwidth, bytes_half) of `acc` as its cluster file will state
+        them (`memory_figures`): a GEMM's memory side is priced at that copy fraction in a step
+        (`HardwareView.operand_seconds`), so the GEMM fit uses it too."""
+        if acc not in self._copy:
+            record = memory_figures(self, acc)
+            self._copy[acc] = (float(record["fraction"]["copy"]), float(record["bytes_half"]))
+        return self._copy[acc]
 
     # -- GEMM --------------------------------------------------------------------------------
-    def gemm(self, generation: str, grouped: bool) -> tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]:
-        key = (generation, grouped)
+    def gemm(self, generation: str, grouped: bool, family: str = "wide"
+             ) -> tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]:
+        """Shape halves and per-(accelerator, precision[, phase]) fits of one generation's GEMMs of
+        one precision family (`derive.HALVES_FAMILY`)."""
+        key = (generation, grouped, family)
         if key not in self._gemm:
             accs = sorted(a for a, g in derive.GENERATION.items() if g == generation and a in self.hbm)
             table = self.tables["grouped_gemm" if grouped else "gemm"]
-            mask = np.isin(table["accelerator"], accs) & (table["excluded"] == "")
+            in_family = np.asarray([derive.HALVES_FAMILY.get(str(p)) == family for p in table["precision"]], dtype=bool)
+            mask = np.isin(table["accelerator"], accs) & (table["excluded"] == "") & in_family
             rows = table.select(mask)
             # grouped kernels get shape halves of their own where the generation measured enough
             # shapes (GROUPED_OWN_HALVES rows); else the generation's dense halves
             own = grouped and int(np.sum(_shaped(rows, self.peaks, True))) >= GROUPED_OWN_HALVES
-            dense_halves = None if (not grouped or own) else self.gemm(generation, False)[0]
-            if not grouped and _shape_rows(rows) < MIN_SHAPE_ROWS and generation != SHAPE_GENERATION:
+            dense_halves = None if (not grouped or own) else self.gemm(generation, False, family)[0]
+            n_shaped, n_aspects = _shape_rows(rows) if not grouped else (0, 0)
+            tied = not grouped and n_shaped >= MIN_SHAPE_ROWS and n_aspects < MIN_ASPECTS
+            if not grouped and n_shaped < MIN_SHAPE_ROWS and generation != SHAPE_GENERATION:
                 # too few measured shapes to fit halves (best-of-search rows fix e_max only): the
-                # generation with the most measured shapes lends its halves (derive.SHAPE_GENERATION)
-                dense_halves = self.gemm(SHAPE_GENERATION, False)[0]
-                self.borrowed_halves.add(generation)
-            copy_fraction = {a: self.copy_fraction(a) for a in accs}
-            entries, measured = gemm_entries(rows, self.peaks, self.hbm, copy_fraction, grouped)
+                # generation with the most measured shapes lends its halves of the same family
+                dense_halves = self.gemm(SHAPE_GENERATION, False, family)[0]
+                self.borrowed_halves.add((generation, family))
+            if tied:
+                self.tied_halves.add((generation, family))
+            copy = {a: self.copy_figures(a)[0] for a in accs}
+            entries, measured = gemm_entries(rows, self.peaks, self.hbm, copy, grouped)
             if len(measured) == 0:
                 self._gemm[key] = (dense_halves or (float("nan"),) * 3, {})
             else:
                 keep = _shaped(rows, self.peaks, grouped)
-                halves, fits = fit_gemm_family(entries, measured, rows["source"][keep], halves=dense_halves)
+                halves, fits = fit_gemm_family(entries, measured, rows["source"][keep], halves=dense_halves,
+                                               tied=tied and dense_halves is None)
                 if grouped:  # again, with fwd_bwd rows' weight gradients at the measured wgrad/fwd ratio
                     ratio = self.wgrad_ratio()
-                    entries, measured = gemm_entries(rows, self.peaks, self.hbm, copy_fraction, grouped,
+                    entries, measured = gemm_entries(rows, self.peaks, self.hbm, copy, grouped,
                                                      wgrad_ratio=ratio[0] if ratio else 1.0)
                     halves, fits = fit_gemm_family(entries, measured, rows["source"][keep], halves=dense_halves)
                 self._gemm[key] = (halves, fits)
@@ -164,9 +174,9 @@ class TableSet:
             ratios, srcs, names = [], [], []
             for acc, prec in sorted(pairs):
                 gen = derive.GENERATION[acc]
-                dense_halves = self.gemm(gen, False)[0]
+                dense_halves = self.gemm(gen, False, derive.HALVES_FAMILY[prec])[0]
                 mine = alone.select((alone["accelerator"] == acc) & (alone["precision"] == prec))
-                entries, measured = gemm_entries(mine, self.peaks, self.hbm, {acc: self.copy_fraction(acc)}, True)
+                entries, measured = gemm_entries(mine, self.peaks, self.hbm, {acc: self.copy_figures(acc)[0]}, True)
                 keep = _shaped(mine, self.peaks, True)
                 _, fits = fit_gemm_family(entries, measured, mine["source"][keep], halves=dense_halves)
                 if (acc, prec, "wgrad") in fits and (acc, prec, "fwd") in fits:
@@ -186,13 +196,21 @@ class TableSet:
         return self._attention[acc]
 
 
-def _shape_rows(rows: KernelTable) -> int:
-    """Dense rows with a printed shape that are not a search's best (they identify the halves)."""
+MIN_ASPECTS = 3
+"""Distinct (m/n, n/k) aspect pairs among them to fit three halves: squares alone (m = n = k)
+identify one half for all three (`fit.fit_gemm_family(tied=True)`)."""
+
+
+def _shape_rows(rows: KernelTable) -> tuple[int, int]:
+    """(dense rows with a printed shape that are not a search's best: they identify the halves,
+    their distinct (m/n, n/k) aspect pairs)."""
     role = rows.get("role")
     shaped = np.isfinite(rows["m"]) & np.isfinite(rows["n"]) & np.isfinite(rows["k"])
     if role is not None:
         shaped &= role != "ceiling"
-    return int(np.sum(shaped))
+    m, n, k = rows["m"][shaped], rows["n"][shaped], rows["k"][shaped]
+    aspects = {(round(float(a), 3), round(float(b), 3)) for a, b in zip(np.log2(m / n), np.log2(n / k))}
+    return int(np.sum(shaped)), len(aspects)
 
 
 def _shaped(rows: KernelTable, peaks: Mapping[tuple[str, str], float], grouped: bool) -> np.ndarray:
@@ -229,16 +247,17 @@ def _rate_scale(ts: TableSet, acc: str, other: str, precision: str, factor: floa
 def gemm_figures(ts: TableSet, acc: str, precisions: Sequence[str], grouped: bool) -> dict[str, Any]:
     """dense: {precision: record}; grouped: {precision: {fwd, dgrad, wgrad: record}}."""
     generation = derive.GENERATION[acc]
-    halves, fits = ts.gemm(generation, grouped)
     phases = GEMM_PHASES if grouped else ("",)
     out: dict[str, Any] = {}
     for precision in precisions:
+        family = derive.HALVES_FAMILY[precision]
+        halves, fits = ts.gemm(generation, grouped, family)
         per_phase: dict[str, Any] = {}
         for phase in phases:
             record = _one_gemm(ts, acc, precision, phase, grouped, halves, fits, set())
-            if not grouped and generation in ts.borrowed_halves:
-                note = (f"shape halves from {SHAPE_GENERATION} (fewer than {MIN_SHAPE_ROWS} measured shapes on "
-                        f"{generation}: its rows fix e_max only)")
+            if not grouped and (generation, family) in ts.borrowed_halves:
+                note = (f"shape halves from {SHAPE_GENERATION} {family} GEMMs (fewer than {MIN_SHAPE_ROWS} measured "
+                        f"shapes on {generation}: its rows fix e_max only)")
                 record["derived"] = f"{record['derived']}; {note}" if record.get("derived") else note
             per_phase[phase] = record
         out[precision] = per_phase if grouped else per_phase[""]
@@ -273,15 +292,18 @@ def _one_gemm(ts: TableSet, acc: str, precision: str, phase: str, grouped: bool,
                                 f"wgrad = fwd x {value:.3f}, the median measured wgrad/fwd e_max ratio ({text})",
                                 tuple(r.sources) + tuple(srcs))
     fallback = derive.PRECISION_FALLBACK.get(precision)
+    fb_halves, fb_fits = halves, fits
+    if fallback is not None and derive.HALVES_FAMILY[fallback[0]] != derive.HALVES_FAMILY[precision]:
+        fb_halves, fb_fits = ts.gemm(derive.GENERATION[acc], grouped, derive.HALVES_FAMILY[fallback[0]])
     if fallback is not None and (acc, fallback[0]) in ts.peaks:
         fb_key = _key(acc, fallback[0], phase)
-        if fb_key in fits or (grouped and _key(acc, fallback[0], "fwd") in fits):
-            inner = _one_gemm(ts, acc, fallback[0], phase, grouped, halves, fits, seen | {key})
+        if fb_key in fb_fits or (grouped and _key(acc, fallback[0], "fwd") in fb_fits):
+            inner = _one_gemm(ts, acc, fallback[0], phase, grouped, fb_halves, fb_fits, seen | {key})
             return _derived(inner, f"{precision} = {fallback[0]}'s figure: {fallback[1]}")
     for other, factor, reason in derive.NEAREST.get(acc, ()):
         if grouped and derive.GENERATION[other] != derive.GENERATION[acc]:
             continue  # another generation's grouped kernels: this part's dense figure x the ratio (below)
-        ohalves, ofits = ts.gemm(derive.GENERATION[other], grouped)
+        ohalves, ofits = ts.gemm(derive.GENERATION[other], grouped, derive.HALVES_FAMILY[precision])
         if _key(other, precision, phase) in ofits or (grouped and _key(other, precision, "fwd") in ofits):
             inner = _one_gemm(ts, other, precision, phase, grouped, ohalves, ofits, seen | {key})
             e = inner["e_max"] * _rate_scale(ts, acc, other, precision, factor)
@@ -301,7 +323,7 @@ def _one_gemm(ts: TableSet, acc: str, precision: str, phase: str, grouped: bool,
             out["source"] = source
             return out
     if fallback is not None and (acc, fallback[0]) in ts.peaks and _key(acc, fallback[0], phase) not in seen:
-        inner = _one_gemm(ts, acc, fallback[0], phase, grouped, halves, fits, seen | {key})
+        inner = _one_gemm(ts, acc, fallback[0], phase, grouped, fb_halves, fb_fits, seen | {key})
         return _derived(inner, f"{precision} = {fallback[0]}'s figure: {fallback[1]}")
     raise ValueError(f"no {'grouped ' if grouped else ''}GEMM rows for {acc} {precision} {phase} and no rule to "
                      "derive them (perfmodel/kernels/derive.py)")
@@ -324,11 +346,13 @@ def _grouped_over_dense(ts: TableSet, acc: str, precision: str, phase: str) -> O
     order = [o for o, _, _ in derive.NEAREST.get(acc, ())] + sorted(ts.hbm)
     for prec in (precision, "bf16"):
         for other in order:
-            _, gfits = ts.gemm(derive.GENERATION[other], True)
-            _, dfits = ts.gemm(derive.GENERATION[other], False)
+            family = derive.HALVES_FAMILY[prec]
+            _, gfits = ts.gemm(derive.GENERATION[other], True, family)
+            _, dfits = ts.gemm(derive.GENERATION[other], False, family)
             gkey = _key(other, prec, "fwd")
             if gkey in gfits and (other, prec) in dfits:
-                grouped = _one_gemm(ts, other, prec, phase, True, ts.gemm(derive.GENERATION[other], True)[0], gfits)
+                grouped = _one_gemm(ts, other, prec, phase, True, ts.gemm(derive.GENERATION[other], True, family)[0],
+                                    gfits)
                 ratio = grouped["e_max"] / dfits[(other, prec)].params["e_max"]
                 return ratio, f"{other} {prec}", grouped["source"]
     return None

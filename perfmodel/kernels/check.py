@@ -3,7 +3,7 @@
 Recomputed from the cluster file's own figures (not from the fit's internals), through the same
 forms the step prices with, so a test can hold every bundled cluster to its measurements:
 - gemm / grouped_gemm: predicted TFLOP/s = 2mnk / max(2mnk / (peak e(m, n, k)), bytes / (HBM bw x
-  eff_copy)), per phase (a fwd_bwd row: the three phases' times summed); a best-of-search
+  f_copy)), per phase (a fwd_bwd row: the three phases' times summed); a best-of-search
   (ceiling) row: peak x e_max;
 - attention: rate = peak x e_max[phase] s(seq) s(head dim) (causal rows on the causal half);
 - memory_kernels: achieved bytes/s of the row's kernel class at its size;
@@ -35,10 +35,10 @@ COLLECTIVE_NAME = {"all_reduce": "all_reduce", "all_gather": "all_gather", "redu
                    "all_to_all": "all_to_all", "send_recv": "p2p"}
 
 
-def _copy_seconds(cluster: ClusterSpec, nbytes: np.ndarray, kernels: float = 1.0) -> np.ndarray:
+def _operand_seconds(cluster: ClusterSpec, nbytes: np.ndarray) -> np.ndarray:
+    """A GEMM's memory side, as `perfmodel.hardware.HardwareView.operand_seconds` prices it."""
     m = cluster.accelerator.kernels.memory
-    bw = cluster.accelerator.hbm_bandwidth_bytes_per_s * m.fraction["copy"]
-    return (nbytes + kernels * m.bytes_half) / bw
+    return nbytes / (cluster.accelerator.hbm_bandwidth_bytes_per_s * m.fraction["copy"])
 
 
 def gemm_errors(cluster: ClusterSpec, rows: KernelTable, grouped: bool) -> np.ndarray:
@@ -73,7 +73,7 @@ def gemm_errors(cluster: ClusterSpec, rows: KernelTable, grouped: bool) -> np.nd
             eff = min(fig.e_max * saturation(pm, fig.m_half) * saturation(pn, fig.n_half) * saturation(pk, fig.k_half), 1.0)
             f = 2.0 * pm * pn * pk * groups
             nbytes = groups * gemm_bytes(np.asarray([pm]), np.asarray([pn]), np.asarray([pk]), [precision])[0]
-            seconds += max(f / (peak * eff), float(_copy_seconds(cluster, nbytes, groups)))
+            seconds += max(f / (peak * eff), float(_operand_seconds(cluster, nbytes)))
             flops += f
         out.append(flops / seconds / measured - 1.0)
     return np.asarray(out)

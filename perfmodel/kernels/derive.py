@@ -4,6 +4,10 @@
 - `GENERATION`: accelerators whose GEMM tiles and waves are the same silicon generation share
   their fitted GEMM shape halves (`fit.fit_gemm_family`): Hopper GH100 (H100, H200, H800: 132
   SMs, the same die), Blackwell (B200, B300, GB200, GB300), Ampere, CDNA3, Ascend Da Vinci, cpu.
+- `HALVES_FAMILY`: precisions whose GEMMs run the same kernel family share shape halves: the
+  16/32-bit GEMMs (cuBLAS / hipBLASLt / CANN matmul) and the 8-bit ones (block-scaled FP8
+  kernels such as DeepGEMM or TE's, whose tiles and scale loads differ): H100's bf16 cuBLAS
+  reaches 80% of peak at n = 1024-2048 where DeepGEMM's FP8 rows halve at n ~ 1300.
 - `NEAREST`: where an accelerator has no measured row of a kind (or precision, phase), its
   figure is the first listed accelerator's that has one, with the achieved rate scaled by the
   stated factor (a measured ratio where one exists, else 1 for the same silicon) - marked
@@ -27,6 +31,9 @@ GENERATION = {
     "b200": "blackwell", "b300": "blackwell", "gb200": "blackwell", "gb300": "blackwell",
     "mi300x": "cdna3", "ascend_910b": "davinci", "ascend_910c": "davinci", "cpu_local": "cpu",
 }
+
+HALVES_FAMILY = {"fp32": "wide", "bf16": "wide", "fp16": "wide", "fp8": "fp8", "mxfp8": "fp8"}
+
 
 NEAREST: dict[str, tuple[tuple[str, float, str], ...]] = {
     "h200": (("h100", 1.0, "same GH100 die, 132 SMs, 700 W: MAMF bf16 equal, fp8 +3.6% (ml-engineering "

@@ -8,7 +8,8 @@ makes the model reproduce its measurements:
   and achieved GB/s (a row without bytes constrains the fraction only);
 - GEMM: shape halves (m, n, k) shared by the accelerators of one generation (the tile and wave
   structure of the silicon, `derive.GENERATION`), e_max per (accelerator, precision); predicted
-  time is the roofline max(2mnk / (peak eff), bytes / (HBM bw eff_copy));
+  time is the roofline max(2mnk / (peak eff), bytes / (HBM bw f_copy)), the memory side as
+  `perfmodel.hardware.HardwareView.operand_seconds` prices it;
 - grouped GEMM: the GEMM form per phase with the generation's halves and e_max per phase;
   a fwd_bwd row is timed as the sum of its three phases;
 - attention: e_max per phase (fwd, bwd), seq halves causal / non-causal and a head-dim half;
@@ -162,17 +163,19 @@ class GemmRows:
 
 
 def fit_gemm_family(entries: GemmRows, measured_s: np.ndarray, sources: Sequence[str],
-                    halves: tuple[float, float, float] | None = None) -> tuple[tuple[float, float, float],
-                                                                              dict[tuple[str, ...], FitResult]]:
-    """Shared (m, n, k) halves (fitted unless given) and one e_max per key; each measured row's
-    time is the sum of its entries' rooflines (a fwd_bwd row: three phases)."""
+                    halves: tuple[float, float, float] | None = None,
+                    tied: bool = False) -> tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]:
+    """Shared (m, n, k) halves (fitted unless given; `tied`: one half for all three, what square
+    shapes alone identify) and one e_max per key; each measured row's time is the sum of its
+    entries' rooflines (a fwd_bwd row: three phases)."""
     n_keys = len(entries.keys)
     free_halves = halves is None
+    n_halves = 1 if tied else 3
 
     def predict(x: np.ndarray) -> np.ndarray:
         if free_halves:
-            hm, hn, hk = np.exp(x[:3])
-            e_max = np.exp(x[3:])[entries.key]
+            hm, hn, hk = np.exp(x[:3]) if not tied else np.exp(np.repeat(x[:1], 3))
+            e_max = np.exp(x[n_halves:])[entries.key]
         else:
             hm, hn, hk = halves
             e_max = np.exp(x)[entries.key]
@@ -187,15 +190,18 @@ def fit_gemm_family(entries: GemmRows, measured_s: np.ndarray, sources: Sequence
     e0 = np.log(np.full(n_keys, 0.75))
     e_lo, e_hi = np.full(n_keys, np.log(1e-3)), np.zeros(n_keys)
     if free_halves:
-        x0 = np.r_[np.log([100.0, 500.0, 500.0]), e0]
-        lower = np.r_[np.log([1.0, 1.0, 1.0]), e_lo]
-        upper = np.r_[np.log([2e5, 2e5, 2e5]), e_hi]
+        x0 = np.r_[np.log([100.0, 500.0, 500.0] if not tied else [300.0]), e0]
+        lower = np.r_[np.log(np.ones(n_halves)), e_lo]
+        upper = np.r_[np.log(np.full(n_halves, 2e5)), e_hi]
     else:
         x0, lower, upper = e0, e_lo, e_hi
     x = _robust(residual, x0, lower, upper)
     errors = predict(x) / measured_s - 1.0
-    fitted = tuple(float(v) for v in np.exp(x[:3])) if free_halves else halves
-    e_values = np.exp(x[3:] if free_halves else x)
+    if free_halves:
+        fitted = tuple(float(v) for v in (np.exp(x[:3]) if not tied else np.exp(np.repeat(x[:1], 3))))
+    else:
+        fitted = halves
+    e_values = np.exp(x[n_halves:] if free_halves else x)
     src = np.asarray(sources)
     results = {}
     row_key = np.full(len(measured_s), -1)

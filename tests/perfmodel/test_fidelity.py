@@ -152,7 +152,7 @@ def test_fp8_casts_are_memory_bound_kernels_with_current_scaling_and_transposes(
     assert float(np.sum(bf16.bytes)) == 0.0 and float(np.sum(bf16.kernels)) == 0.0
     # the casts make fp8 slower than its GEMMs alone would: compute at fp8 > bf16 compute / 2
     both = evaluate(LLAMA, layout, H100), evaluate(LLAMA, parse_layout("tp=2,sp=true,mbs=1,gbs=8", devices=2), H100)
-    assert both[0].step_time_s[0] < both[1].step_time_s[0]
+    assert both[0].breakdown["compute"][0] > both[1].breakdown["compute"][0] / 2
 
 
 def test_router_and_lm_head_stay_bf16_under_fp8():
