@@ -296,4 +296,19 @@ def load_runs(path: str | Path) -> RunData:
                    data.run_index, data.run_ids, source, file_sha256(path), data.source_index, data.source_names)
 
 
-__all__ = ["CARRIED", "KNOWN", "REQUIRED", "RunData", "file_sha256", "from_arrays", "load_runs"]
+def combine(parts: list[RunData], label: Optional[str] = None) -> RunData:
+    """One RunData from several (e.g. one per public source); runs and sources keep their labels."""
+    if not parts:
+        raise FitDataError("combine: no runs data given")
+    ids = np.concatenate([np.asarray(p.run_ids, dtype=object)[p.run_index] for p in parts]).astype(str)
+    src = np.concatenate([np.asarray(p.source_names, dtype=object)[p.source_index] for p in parts]).astype(str)
+    cat = {k: np.concatenate([getattr(p, k) for p in parts]) for k in
+           ("n_total", "sparsity", "tokens", "loss", "granularity", "weight")}
+    out = from_arrays(cat["n_total"], cat["tokens"], cat["loss"], cat["sparsity"], cat["granularity"], cat["weight"],
+                      ids, label or " + ".join(p.source for p in parts), src)
+    digest = hashlib.sha256("\x00".join(p.sha256 for p in parts).encode()).hexdigest()
+    return RunData(out.n_total, out.sparsity, out.tokens, out.loss, out.granularity, out.weight, out.run_index,
+                   out.run_ids, out.source, digest, out.source_index, out.source_names)
+
+
+__all__ = ["CARRIED", "KNOWN", "REQUIRED", "RunData", "combine", "file_sha256", "from_arrays", "load_runs"]

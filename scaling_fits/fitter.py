@@ -490,7 +490,8 @@ def identifiability(result: FitResult, data: RunData,
     With r_i the log residuals and J = d log L_i / d theta (the softmax-weighted design rows, mapped from
     the centred optimiser coordinates back to theta), Cov = s^2 (J^T W J)^+ with
     s^2 = sum w r^2 / (sum w - p): the least-squares approximation of the estimator's spread. It is what
-    the data could tell apart, not a bootstrap interval: a flagged parameter's value is a trade-off
+    the data could tell apart, not a bootstrap interval (for the Huber loss s^2 is scaled by the
+    M-estimator's variance ratio, `huber_variance_ratio`): a flagged parameter's value is a trade-off
     with its partners (only their combination is measured), so report the combination, not the number.
     """
     lim = {**IDENTIFIABILITY_LIMITS, **dict(limits or {})}
@@ -541,6 +542,14 @@ def identifiability(result: FitResult, data: RunData,
     null = eig <= 1e-10 * eig.max()
     out["condition_number"] = float(eig.max() / eig.min()) if eig.min() > 0 else float("inf")
     s2 = float(w @ (r * r)) / dof if dof > 0 else np.inf
+    # Huber, not least squares: scale by the M-estimator's variance ratio E[psi^2] / E[psi']^2 / sigma^2
+    # (Huber 1981, Robust Statistics, sec. 7.6), from the residuals; pi/2 (the median's) for delta << noise
+    psi = np.clip(r, -obj.delta, obj.delta)
+    inside = float(w @ (np.abs(r) < obj.delta)) / float(w.sum())
+    mean_r2 = float(w @ (r * r)) / float(w.sum())
+    ratio = (float(w @ (psi * psi)) / float(w.sum())) / inside ** 2 / mean_r2 if inside > 0 and mean_r2 > 0 else 1.0
+    out["huber_variance_ratio"] = float(ratio)
+    s2 *= max(ratio, 1.0)
     inv = (vec[:, ~null] / eig[~null]) @ vec[:, ~null].T
     cov = s2 * inv / np.outer(scale[live], scale[live])
     se = np.sqrt(np.maximum(np.diag(cov), 0.0))

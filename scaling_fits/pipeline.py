@@ -34,11 +34,8 @@ def fit_law(data: RunData, law_name: str = "mosaic4d", options: Optional[FitOpti
             progress: Optional[Progress] = None) -> FittedLaw:
     """Fit, then (optionally) bootstrap, hold out the largest-compute runs, leave one run out.
 
-    `priors` documents fixed parameters: {name: {"value": v, "source": "...", "range": [lo, hi]}}; its
-    values are added to `options.fixed`. A prior's optional `range` (the spread of published fits) is
-    carried into the bootstrap: each sample draws the parameter uniformly from it, so predictions that
-    depend on it show that spread. Only allowed where the data do not depend on the parameter (e.g.
-    eta on G = 1 data), since the refits themselves hold it at `value`.
+    `priors` documents fixed parameters: {name: {"value": v, "source": "..."}}; its
+    values are added to `options.fixed`.
 
     With several data sources and `options.per_source` (e.g. ("e",)), the joint fit gives every source
     its own value of those coefficients; the returned law is that of `options.reference_source`, the
@@ -73,10 +70,9 @@ def fit_law(data: RunData, law_name: str = "mosaic4d", options: Optional[FitOpti
     seed = options.seed if boot_seed is None else boot_seed
     if n_boot:
         boot_theta = bootstrap(result, data, n_boot, seed=seed, progress=progress)
-        _draw_prior_ranges(model, result, data, boot_theta, priors or {}, seed)
         ci = intervals(model, boot_theta, ci_level)
         free = [n for n in model.param_names if n not in result.fixed]
-        ci = {k: v for k, v in ci.items() if k in free or k in _ranged(priors)}
+        ci = {k: v for k, v in ci.items() if k in free}
         boot_pred = model.predict(boot_theta, data)
         lo, hi = np.quantile(boot_pred, [(1 - ci_level) / 2, (1 + ci_level) / 2], axis=0)
         metrics["prediction_ci_rel_halfwidth_median"] = float(np.median((hi - lo) / 2 / data.loss))
@@ -109,29 +105,6 @@ def fit_law(data: RunData, law_name: str = "mosaic4d", options: Optional[FitOpti
                      bootstrap_theta=None if boot_theta is None else model.project(boot_theta),
                      fixed=tuple(result.fixed), ci=law_ci, ci_level=ci_level if n_boot else None,
                      bootstrap_seed=seed if n_boot else None, metrics=metrics, provenance=provenance, source="<fit>")
-
-
-def _ranged(priors: Optional[dict[str, Any]]) -> set[str]:
-    return {name for name, prior in (priors or {}).items() if prior.get("range") is not None}
-
-
-def _draw_prior_ranges(model: Model, result: Any, data: RunData, boot_theta: np.ndarray, priors: dict[str, Any],
-                       seed: int) -> None:
-    """Replace the bootstrap column of each ranged prior by uniform draws from its range (in place)."""
-    rng = np.random.default_rng([seed, 0x9E7A])
-    for name in sorted(_ranged(priors)):
-        lo, hi = (float(v) for v in priors[name]["range"])
-        if not lo <= float(priors[name]["value"]) <= hi:
-            raise FitDataError(f"prior {name}: value {priors[name]['value']} outside its range [{lo}, {hi}]")
-        col = model.law.index(name)
-        probe = np.tile(result.theta, (2, 1))
-        probe[:, col] = [lo, hi] if not model.law.is_coef(name) else np.log([lo, hi])
-        pred = model.predict(probe, data)
-        if np.max(np.abs(pred[0] / pred[1] - 1.0)) > 1e-12:
-            raise FitDataError(f"prior {name}: the data depend on {name} (its input varies), so a range cannot be "
-                               "drawn after the fit; fit it, or give a prior value without a range")
-        draws = rng.uniform(lo, hi, boot_theta.shape[0])
-        boot_theta[:, col] = draws if not model.law.is_coef(name) else np.log(draws)
 
 
 def _source_summary(model: Model, theta: np.ndarray, boot_theta: Optional[np.ndarray],
