@@ -13,6 +13,7 @@ import typer
 from mosaic import __version__
 from mosaic.cli import calibrate as calibrate_cmd
 from mosaic.cli import clusters as clusters_cmd
+from mosaic.cli import data as data_cmd
 from mosaic.cli import export as export_cmd
 from mosaic.cli import fit as fit_cmd
 from mosaic.cli import plan as plan_cmd
@@ -56,6 +57,7 @@ app.command("predict")(predict_cmd.predict)
 app.command("sweep")(sweep_cmd.sweep)
 app.command("export")(export_cmd.export)
 app.command("fit")(fit_cmd.fit)
+app.add_typer(data_cmd.app, name="data")
 
 
 def main() -> None:
