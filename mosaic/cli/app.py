@@ -16,6 +16,7 @@ from mosaic.cli import clusters as clusters_cmd
 from mosaic.cli import data as data_cmd
 from mosaic.cli import export as export_cmd
 from mosaic.cli import fit as fit_cmd
+from mosaic.cli import ladder as ladder_cmd
 from mosaic.cli import plan as plan_cmd
 from mosaic.cli import predict as predict_cmd
 from mosaic.cli import sweep as sweep_cmd
@@ -58,6 +59,7 @@ app.command("sweep")(sweep_cmd.sweep)
 app.command("export")(export_cmd.export)
 app.command("fit")(fit_cmd.fit)
 app.add_typer(data_cmd.app, name="data")
+app.command("ladder")(ladder_cmd.ladder)
 
 
 def main() -> None:
