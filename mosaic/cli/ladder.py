@@ -101,9 +101,18 @@ def ladder(
         return
     out.mkdir(parents=True, exist_ok=True)
     open_ladder(out, setup)
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:   # SIGTERM: stop the runs like Ctrl-C (they resume next time)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     started = time.time()
-    with Live(_table(out, {r.name: {"state": "pending", "run": r} for r in runs}, started), console=err_console,
-              refresh_per_second=2, transient=False, auto_refresh=False) as view:
+    from mosaic.ladder.runner import state
+
+    first = {r.name: {"state": "done (earlier)" if state(out, r) == "done" else "pending", "run": r} for r in runs}
+    with Live(_table(out, first, started) if live else "", console=err_console, refresh_per_second=2,
+              transient=False, auto_refresh=False) as view:
         def update(status: dict[str, dict[str, Any]]) -> None:
             if live:
                 view.update(_table(out, status, started), refresh=True)

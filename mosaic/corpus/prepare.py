@@ -5,10 +5,11 @@ the BPE tokenizer from the training documents (`tokenizer.train_bpe`; or reuse -
 (3) encode every document and stream it into its split's token file (`TokenFileWriter`), one
 document per index entry, so document boundaries are kept exactly.
 
-Split: a document is held out when u = sha256(seed, key) / 2^256 < val_fraction, with key = the
-file (or file:line for JSON lines): deterministic, independent of input order, and stable when
-documents are added. At least one document goes to each side (the lowest-u document is held out
-when the fraction rounds to none). The tokenizer never sees the held-out documents.
+Split: a document is held out when u = sha256(seed, text) / 2^64 < val_fraction (first 8 bytes):
+deterministic, independent of file names, paths and input order, stable when documents are added,
+and a document that occurs twice lands on one side only (no copy of a held-out text in training).
+At least one document goes to each side (the lowest-u document is held out when the fraction
+rounds to none). The tokenizer never sees the held-out documents.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class PrepareOptions:
             raise InputError(f"--val-fraction {self.val_fraction}: must be in (0, 0.5]; e.g. 0.05")
 
 
-def split_u(key: str, seed: int) -> float:
-    """Uniform [0, 1) number of a document key (sha256)."""
-    digest = hashlib.sha256(f"{seed}\x00{key}".encode()).digest()
+def split_u(text: str, seed: int) -> float:
+    """Uniform [0, 1) number of a document's text (sha256)."""
+    digest = hashlib.sha256(f"{seed}\x00{text}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
 
 
@@ -84,7 +85,7 @@ def prepare(inputs: Sequence[str], out_dir: str | Path, options: Optional[Prepar
     chars = 0
     for doc in each("scan"):
         keys.append(doc.key)
-        u.append(split_u(doc.key, options.seed))
+        u.append(split_u(doc.text, options.seed))
         chars += len(doc.text)
     if not keys:
         raise InputError(f"data prepare: {len(files)} file(s) read, no text in any of them (empty or whitespace "
@@ -145,7 +146,7 @@ def prepare(inputs: Sequence[str], out_dir: str | Path, options: Optional[Prepar
         "tokenizer": {"file": tok_path.name, "kind": "byte-level BPE (tokenizers)" if not options.tokenizer
                       else f"reused {options.tokenizer}", "vocab_size": vocab},
         "dtype": dtype,
-        "split": {"val_fraction": options.val_fraction, "seed": options.seed, "by": "sha256(seed, document key)"},
+        "split": {"val_fraction": options.val_fraction, "seed": options.seed, "by": "sha256(seed, document text)"},
         "text_field": options.text_field,
         "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }

@@ -124,6 +124,18 @@ class Process(Protocol):
 Launcher = Callable[[LadderSetup, LadderRun, Path, bool], Process]
 
 
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM it when the ladder process dies (even by SIGKILL), so a
+    killed ladder never leaves a trainer writing into a run folder that the next ladder resumes."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):   # not Linux: the ladder's own cleanup still kills its children
+        pass
+
+
 def subprocess_launcher(jobs: int) -> Launcher:
     """Start the trainer as a child process (OMP threads: cores / jobs), output to DIR/runs/NAME/train.log."""
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
@@ -134,7 +146,7 @@ def subprocess_launcher(jobs: int) -> Launcher:
         log = open(folder / "train.log", "a")
         try:
             return subprocess.Popen(train_command(setup, run, folder, resume), stdout=log, stderr=subprocess.STDOUT,
-                                    env=env)
+                                    env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         finally:
             log.close()
 
@@ -189,6 +201,9 @@ def execute(out: Path, setup: LadderSetup, launcher: Launcher, jobs: int = 1,
     except BaseException:
         for slot in running:
             slot.proc.kill()
+            wait = getattr(slot.proc, "wait", None)
+            if wait is not None:
+                wait()
         raise
     if on_update is not None:
         on_update(status)
