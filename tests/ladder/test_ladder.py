@@ -165,3 +165,19 @@ def test_micro_ladder_with_the_real_trainer(tmp_path):
     for run in runs:
         rows = (run_dir(tmp_path / "lad", run) / "metrics.jsonl").read_text().splitlines()
         assert len(rows) == run.steps and json.loads(rows[-1])["val_loss"] is not None
+
+
+def test_laws_on_choice_reports_each_law_with_its_band():
+    from types import SimpleNamespace
+
+    from mosaic.ladder.compare import laws_on_choice
+    from perfmodel.specs.architecture import MoEArchitecture
+
+    arch = MoEArchitecture(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, head_dim=64, vocab_size=1024, seq_len=128,
+                           n_experts=8, top_k=2, d_expert=512)
+    choice = SimpleNamespace(arch=arch, tokens=1e9)
+    default = load_fit(None)
+    frame = laws_on_choice(choice, {"default": default})
+    row = frame.iloc[0]
+    assert row["loss"] == pytest.approx(float(default.predict(arch.total_params(), arch.sparsity, 1e9, arch.granularity)))
+    assert row["loss_lo"] <= row["loss"] <= row["loss_hi"]
