@@ -92,16 +92,9 @@ def convert(frame: Any, exclude_highest_loss: int = EXCLUDE_HIGHEST_LOSS) -> Any
 
 def convert_file(src: str | Path, dst: str | Path, **kwargs: Any) -> Any:
     """Read Epoch AI's svg_extracted_data.csv, convert, write `dst` atomically; returns the frame."""
-    import pandas as pd
+    from scaling_fits.data import convert_csv
 
-    from scaling_fits.fitfile import write_text_atomic
-
-    src = Path(src)
-    if not src.is_file():
-        raise FitDataError(f"{src}: no such file; give data/svg_extracted_data.csv of epoch-research/analyzing-chinchilla")
-    out = convert(pd.read_csv(src), **kwargs)
-    write_text_atomic(Path(dst), out.to_csv(index=False, float_format="%.10g"))
-    return out
+    return convert_csv(convert, src, dst, "data/svg_extracted_data.csv of epoch-research/analyzing-chinchilla", **kwargs)
 
 
 __all__ = ["OUTPUT_COLUMNS", "SOURCE", "SOURCE_ID", "convert", "convert_file", "table_a9"]

@@ -124,16 +124,9 @@ def convert(frame: Any, router_types: Sequence[str] = ("Dense", "S-Base"), min_s
 
 def convert_file(src: str | Path, dst: str | Path, **kwargs: Any) -> Any:
     """Read Clark et al.'s curves CSV (optionally .gz), convert, write `dst` atomically; returns the frame."""
-    import pandas as pd
+    from scaling_fits.data import convert_csv
 
-    from scaling_fits.fitfile import write_text_atomic
-
-    src = Path(src)
-    if not src.is_file():
-        raise FitDataError(f"{src}: no such file; give Clark et al.'s curves.csv (../shared/data/)")
-    out = convert(pd.read_csv(src), **kwargs)
-    write_text_atomic(Path(dst), out.to_csv(index=False, float_format="%.10g"))
-    return out
+    return convert_csv(convert, src, dst, "Clark et al.'s curves.csv (../shared/data/)", **kwargs)
 
 
 __all__ = ["OUTPUT_COLUMNS", "SOURCE", "SOURCE_ID", "TOKENS_PER_STEP", "convert", "convert_file"]

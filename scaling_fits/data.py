@@ -183,6 +183,20 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def convert_csv(convert: Any, src: str | Path, dst: str | Path, missing: str, **kwargs: Any) -> Any:
+    """Read a public CSV, `convert(frame, **kwargs)` it to runs columns, write `dst` atomically; returns the frame."""
+    import pandas as pd
+
+    from scaling_fits.fitfile import write_text_atomic
+
+    src = Path(src)
+    if not src.is_file():
+        raise FitDataError(f"{src}: no such file; give {missing}")
+    out = convert(pd.read_csv(src), **kwargs)
+    write_text_atomic(Path(dst), out.to_csv(index=False, float_format="%.10g"))
+    return out
+
+
 def _read_table(path: Path) -> Any:
     import pandas as pd
 
@@ -311,4 +325,5 @@ def combine(parts: list[RunData], label: Optional[str] = None) -> RunData:
                    out.run_ids, out.source, digest, out.source_index, out.source_names)
 
 
-__all__ = ["CARRIED", "KNOWN", "REQUIRED", "RunData", "combine", "file_sha256", "from_arrays", "load_runs"]
+__all__ = ["CARRIED", "KNOWN", "REQUIRED", "RunData", "combine", "convert_csv", "file_sha256", "from_arrays",
+           "load_runs"]

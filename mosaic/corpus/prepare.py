@@ -28,6 +28,7 @@ from mosaic.corpus.sources import Document, documents, expand
 from mosaic.trainer.data import TokenFileWriter
 from perfmodel.errors import InputError
 from perfmodel.specs.strict import write_yaml_atomic
+from scaling_fits.data import file_sha256
 
 Progress = Callable[[str, int, int], None]   # (stage, done, total)
 MANIFEST = "corpus.yaml"
@@ -56,14 +57,6 @@ def split_u(text: str, seed: int) -> float:
     """Uniform [0, 1) number of a document's text (sha256)."""
     digest = hashlib.sha256(f"{seed}\x00{text}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def prepare(inputs: Sequence[str], out_dir: str | Path, options: Optional[PrepareOptions] = None,
@@ -141,8 +134,8 @@ def prepare(inputs: Sequence[str], out_dir: str | Path, options: Optional[Prepar
         "inputs": [str(i) for i in inputs],
         "files": len(files),
         "characters": chars,
-        "train": {**counts["train"], "file": paths["train"].name, "sha256": _file_sha256(paths["train"])},
-        "val": {**counts["val"], "file": paths["val"].name, "sha256": _file_sha256(paths["val"])},
+        "train": {**counts["train"], "file": paths["train"].name, "sha256": file_sha256(paths["train"])},
+        "val": {**counts["val"], "file": paths["val"].name, "sha256": file_sha256(paths["val"])},
         "tokenizer": {"file": tok_path.name, "kind": "byte-level BPE (tokenizers)" if not options.tokenizer
                       else f"reused {options.tokenizer}", "vocab_size": vocab},
         "dtype": dtype,
