@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
@@ -111,14 +112,27 @@ def ladder(
     from mosaic.ladder.runner import state
 
     first = {r.name: {"state": "done (earlier)" if state(out, r) == "done" else "pending", "run": r} for r in runs}
-    with Live(_table(out, first, started) if live else "", console=err_console, refresh_per_second=2,
+    # a terminal gets the live table; a log file one line per finished run and the table at the end, wide
+    screen = err_console if err_console.is_terminal else Console(stderr=True, width=160)
+    live = live and err_console.is_terminal
+    reported: set[str] = set()
+    with Live(_table(out, first, started) if live else "", console=screen, refresh_per_second=2,
               transient=False, auto_refresh=False) as view:
         def update(status: dict[str, dict[str, Any]]) -> None:
             if live:
                 view.update(_table(out, status, started), refresh=True)
+                return
+            for name, entry in status.items():
+                if entry["state"] != "pending" and not entry["state"].startswith(("running", "resumed")) \
+                        and name not in reported:
+                    reported.add(name)
+                    screen.print(f"{name}: {entry['state']}" + (f" after {entry['seconds']:,.0f} s" if "seconds" in entry
+                                                                else ""), highlight=False)
 
         execute(out, setup, subprocess_launcher(jobs), jobs=jobs, on_update=update)
     wall_s = time.time() - started
+    if not live:
+        screen.print(_table(out, {r.name: {"state": "done", "run": r} for r in runs}, started))
     frame = collect(out, setup)
     try:
         fitted, report = fit_ladder(frame, LadderFitOptions(n_boot=bootstrap, n_starts=starts, seed=seed, law=law))
