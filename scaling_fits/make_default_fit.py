@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from scaling_fits import chinchilla2022, clark2022
-from scaling_fits.data import combine, load_runs
+from scaling_fits.data import RunData, combine, load_runs
 from scaling_fits.fitfile import default_fit_path, write_fit
 from scaling_fits.fitter import FitOptions, describe_identifiability
 from scaling_fits.granularity import KRAJEWSKI_2024, with_calibrated_eta
@@ -48,6 +48,18 @@ PRIORS = {
 DEFAULTS = {"n_boot": 200, "holdout": 0.2, "n_starts": 128, "seed": 0}
 
 
+def default_runs() -> RunData:
+    """Both bundled sources as one RunData (what the default fit is fitted to)."""
+    return combine([load_runs(CLARK_CSV), load_runs(CHINCHILLA_CSV)],
+                   label="scaling_fits/data/clark2022_runs.csv + chinchilla2022_runs.csv")
+
+
+def default_options(n_starts: int = DEFAULTS["n_starts"], n_jobs: int = 1) -> FitOptions:
+    """The default fit's settings: one e per source, Clark et al.'s the reference, eta at its placeholder."""
+    return FitOptions(n_starts=n_starts, seed=DEFAULTS["seed"], n_jobs=n_jobs, per_source=("e",),
+                      reference_source=REFERENCE, fixed={k: v["value"] for k, v in PRIORS.items()})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from-clark", type=Path, default=None,
@@ -65,10 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_chinchilla is not None:
         frame = chinchilla2022.convert_file(args.from_chinchilla, CHINCHILLA_CSV)
         print(f"converted {len(frame)} runs -> {CHINCHILLA_CSV}")
-    data = combine([load_runs(CLARK_CSV), load_runs(CHINCHILLA_CSV)],
-                   label="scaling_fits/data/clark2022_runs.csv + chinchilla2022_runs.csv")
-    options = FitOptions(n_starts=args.starts, seed=DEFAULTS["seed"], n_jobs=args.jobs, per_source=("e",),
-                         reference_source=REFERENCE)
+    data = default_runs()
+    options = FitOptions(**{**default_options(args.starts, args.jobs).as_dict(), "fixed": {},
+                            "per_source": ("e",)})
 
     def progress(stage: str, done: int, total: int) -> None:
         if done == total or done % 50 == 0:
