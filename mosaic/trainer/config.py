@@ -57,6 +57,12 @@ class TrainOptions:
     """grouped: one grouped GEMM over tokens sorted by expert; loop: the readable reference."""
     data: str = "synthetic"
     """'synthetic' (seeded Markov tokens) or a token file NAME.bin with its NAME.idx.npz index."""
+    val_data: str = ""
+    """Held-out token file NAME.bin for the validation loss ('' = none; `mosaic data prepare` writes val.bin)."""
+    eval_every: int = 0
+    """Validation every N steps (0: at the last step only); needs val_data."""
+    eval_batches: int = 0
+    """Micro-batches of mbs sequences per data-parallel rank per validation (0: the whole file, every chunk once)."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end of the run)."""
     keep_checkpoints: int = 2
@@ -74,6 +80,10 @@ class TrainOptions:
         check(self.aux_loss_coef >= 0 and self.bias_update_rate >= 0, "aux_loss_coef", "must be >= 0", "give 0 or a positive value")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0", "give 0 (end only) or a step interval")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1", "keep at least one checkpoint")
+        check(self.eval_every >= 0 and self.eval_batches >= 0, "eval_every", "must be >= 0",
+              "give 0 (at the end / the whole file) or a positive count")
+        check(bool(self.val_data) or self.eval_every == 0, "eval_every", "needs val_data",
+              "give --val-data NAME.bin (e.g. the val.bin of `mosaic data prepare`)")
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,15 @@ def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
         elif layout.vpp > 1 and m % max(1, m // layout.pp):
             problems.append(f"vpp={layout.vpp}: interleaved 1F1B needs the micro-batches m={m} to be a multiple "
                             f"of m // pp = {m // layout.pp}; use m a multiple of pp={layout.pp}")
+    return problems
+
+
+def eval_limits(train: TrainOptions, layout: ParallelLayout) -> list[str]:
+    """What the trainer's validation cannot run (one message per reason)."""
+    problems = []
+    if train.val_data and layout.pp > 1:
+        problems.append(f"val_data with pp={layout.pp}: validation runs the model outside the pipeline schedule, "
+                        "which the bundled trainer does not do; validate with pp=1 or drop --val-data")
     return problems
 
 

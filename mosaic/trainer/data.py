@@ -82,29 +82,68 @@ class SyntheticTokens:
         return [Sample(tokens=s[:-1].copy(), labels=s[1:].copy(), positions=positions) for s in seq]
 
 
+class TokenFileWriter:
+    """Streaming writer of NAME.bin + NAME.idx.npz: `add(document)` one at a time, `close()` renames into place.
+
+    Tokens go to a temp file next to NAME.bin as they come (memory: one document); nothing
+    appears under the final names until `close()` (a crash leaves only dot-temp files).
+    """
+
+    def __init__(self, path: str | Path, dtype: str = "uint16"):
+        if dtype not in ("uint16", "uint32"):
+            raise InputError(f"token file dtype {dtype!r}: use uint16 or uint32")
+        self.path, self.dtype = Path(path), dtype
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp_bin = self.path.with_name(f".{self.path.name}.tmp")
+        self._handle = open(self._tmp_bin, "wb")
+        self._lengths: list[int] = []
+        self.max_token = -1
+
+    def add(self, document: Sequence[int] | np.ndarray) -> None:
+        tokens = np.asarray(document, dtype=np.int64)
+        if tokens.size == 0:
+            raise InputError(f"{self.path}: empty documents cannot be indexed; drop them")
+        if tokens.min() < 0 or tokens.max() > np.iinfo(self.dtype).max:
+            raise InputError(f"{self.path}: token ids out of range for {self.dtype}; use uint32")
+        tokens.astype(self.dtype).tofile(self._handle)
+        self._lengths.append(int(tokens.size))
+        self.max_token = max(self.max_token, int(tokens.max()))
+
+    @property
+    def n_documents(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(sum(self._lengths))
+
+    def close(self) -> Path:
+        import os
+
+        self._handle.close()
+        offsets = np.concatenate([[0], np.cumsum(np.asarray(self._lengths, dtype=np.int64))]).astype(np.int64)
+        index = index_path(self.path)
+        tmp_idx = index.with_name(f".{index.name}.tmp.npz")
+        np.savez(tmp_idx, offsets=offsets, dtype=np.asarray(self.dtype), max_token=np.asarray(self.max_token))
+        os.replace(self._tmp_bin, self.path)
+        os.replace(tmp_idx, index)
+        return self.path
+
+    def abort(self) -> None:
+        self._handle.close()
+        self._tmp_bin.unlink(missing_ok=True)
+
+
 def write_token_file(path: str | Path, documents: Sequence[Sequence[int]], dtype: str = "uint16") -> Path:
     """Write NAME.bin + NAME.idx.npz (each through a temp file and a rename)."""
-    import os
-
-    if dtype not in ("uint16", "uint32"):
-        raise InputError(f"token file dtype {dtype!r}: use uint16 or uint32")
-    path = Path(path)
-    lengths = np.asarray([len(d) for d in documents], dtype=np.int64)
-    if (lengths == 0).any():
-        raise InputError(f"{path}: empty documents cannot be indexed; drop them")
-    tokens = np.concatenate([np.asarray(d, dtype=np.int64) for d in documents]) if len(documents) else np.zeros(0, np.int64)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
-        raise InputError(f"{path}: token ids out of range for {dtype}; use uint32")
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_bin = path.with_name(f".{path.name}.tmp")
-    tokens.astype(dtype).tofile(tmp_bin)
-    index = index_path(path)
-    tmp_idx = index.with_name(f".{index.name}.tmp.npz")
-    np.savez(tmp_idx, offsets=offsets, dtype=np.asarray(dtype), max_token=np.asarray(int(tokens.max()) if tokens.size else -1))
-    os.replace(tmp_bin, path)
-    os.replace(tmp_idx, index)
-    return path
+    writer = TokenFileWriter(path, dtype)
+    try:
+        for document in documents:
+            writer.add(document)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
 
 
 def index_path(path: str | Path) -> Path:
@@ -138,7 +177,10 @@ class TokenFile:
 
     def sample(self, j: int) -> Sample:
         epoch, slot = divmod(int(j), self.n_chunks)
-        chunk = int(self._chunk_order(epoch)[slot])
+        return self.sample_chunk(int(self._chunk_order(epoch)[slot]))
+
+    def sample_chunk(self, chunk: int) -> Sample:
+        """Chunk number `chunk` (tokens [chunk*T, (chunk+1)*T)), independent of the epoch order."""
         T = self.seq_len
         start = chunk * T
         end = min(start + T, self.n_tokens)
