@@ -57,6 +57,10 @@ class TrainOptions:
     """grouped: one grouped GEMM over tokens sorted by expert; loop: the readable reference."""
     data: str = "synthetic"
     """'synthetic' (seeded Markov tokens) or a token file NAME.bin with its NAME.idx.npz index."""
+    checkpoint: bool = True
+    """Save checkpoints (every `checkpoint_every` steps and at the end); False saves none: a
+    throughput run of a model of billions of parameters would otherwise write its weights and
+    optimizer state (16 bytes a parameter) at its end."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end of the run)."""
     keep_checkpoints: int = 2
@@ -73,6 +77,9 @@ class TrainOptions:
         check(self.weight_decay >= 0 and self.grad_clip >= 0, "weight_decay", "must be >= 0", "give 0 or a positive value")
         check(self.aux_loss_coef >= 0 and self.bias_update_rate >= 0, "aux_loss_coef", "must be >= 0", "give 0 or a positive value")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0", "give 0 (end only) or a step interval")
+        check(self.checkpoint or self.checkpoint_every == 0, "checkpoint_every",
+              f"{self.checkpoint_every} asks for checkpoints that checkpoint=false (--no-checkpoint) turns off",
+              "drop one of them")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1", "keep at least one checkpoint")
 
 
