@@ -125,9 +125,7 @@ def trainer_precision(layout: ParallelLayout, device: str) -> str:
             raise InputError(f"layout: precision=fp8 needs a cuda GPU with fp8 tensor cores and torchao; on {device} "
                              f"the trainer {'computes in fp32' if device == 'cpu' else 'has no fp8 kernels'}: use "
                              f"precision={'fp32' if device == 'cpu' else 'bf16'}")
-        import importlib.util
-
-        if importlib.util.find_spec("torchao") is None:
+        if not _has_module("torchao"):
             raise InputError("layout: precision=fp8 trains through torchao, which is not installed; "
                              "pip install torchao, or use precision=bf16")
         if layout.tp > 1:
@@ -164,7 +162,25 @@ def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
         elif layout.vpp > 1 and m % max(1, m // layout.pp):
             problems.append(f"vpp={layout.vpp}: interleaved 1F1B needs the micro-batches m={m} to be a multiple "
                             f"of m // pp = {m // layout.pp}; use m a multiple of pp={layout.pp}")
+    if (layout.dp or 1) > 1 and layout.dp_flavor == "ddp" and (layout.tp > 1 or layout.pp > 1) \
+            and not _has_module(REPLICATE_MODULE):
+        problems.append(f"dp_flavor=ddp with tp or pp > 1 runs through FSDP2's replicate ({REPLICATE_MODULE}), "
+                        "which this torch lacks (torch 2.6 has none); use dp_flavor=zero1 or fsdp, or a newer torch")
     return problems
+
+
+REPLICATE_MODULE = "torch.distributed._composable.replicate_with_fsdp"
+"""FSDP2's DDP (`parallelize.apply_dp` uses it under tensor or pipeline parallel); not in torch 2.6."""
+
+
+def _has_module(name: str) -> bool:
+    """`name` is importable (False as well where torch itself is missing: the trainer then says so)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def check_runnable(model: MoEArchitecture, layout: ParallelLayout, devices: int) -> ParallelLayout:
