@@ -1,6 +1,6 @@
 """The accelerator path on one GPU: calibrate, train, predict, refit, in one command (issue 22).
 
-    python benchmarks/gpu_check.py --out OUT                 # one H200 (cuda): at most --budget-s, 420 s
+    python benchmarks/gpu_check.py --out OUT                 # one H200 (cuda): at most --budget-s, 400 s
     python benchmarks/gpu_check.py --dry-run --out OUT       # the same orchestration on cpu, tiny sizes
 
 Every step is a public `mosaic` command in a subprocess, read through its documented outputs
@@ -106,15 +106,16 @@ class Mode:
     """The precision of the MFU target's runs: bf16 on the GPU; fp32 on cpu, where the trainer computes in it."""
 
 
-GPU = Mode("cuda", GPU_MODEL, tuple(c for c in GPU_CONFIGS), 20, 420.0,
+GPU = Mode("cuda", GPU_MODEL, tuple(c for c in GPU_CONFIGS), 20, 400.0,
            {"environment": 60, "calibrate": 150, "train": 100, "predict": 60, "refit": 60}, "h200", "bf16")
 DRY = Mode("cpu", DRY_MODEL, DRY_CONFIGS, 4, 300.0,
            {"environment": 60, "calibrate": 150, "train": 60, "predict": 60, "refit": 60}, "cpu_local", "fp32")
 
-RESERVE_S = {"train": 45.0, "predict": 25.0, "refit": 10.0}
-"""Seconds kept back, when a phase starts, for the phases after it (predict and refit take a few
-seconds each on a 16-core host, the report one): a phase gets min(its cap, deadline - now - the
-reserve of what follows)."""
+RESERVE_S = {"train": 45.0, "predict": 20.0, "refit": 20.0, "report": 10.0}
+"""Seconds kept back, when a phase starts, for the phases after it: at least one training run;
+the predictions (a few seconds on a 16-core host, 1-3 s each here); the refit and the refitted
+predictions; the plots and the archive. A phase gets min(its cap, deadline - now - the reserve of
+what follows)."""
 MIN_RUN_S = {"cuda": 25.0, "cpu": 8.0}
 """A training run is not started with less time left: interpreter, torch and CUDA start-up alone
 take about this long."""
@@ -227,11 +228,19 @@ try:
                    device_memory_bytes=total, device_free_bytes=free, multiprocessors=p.multi_processor_count)
 except Exception as exc:
     out["torch_error"] = repr(exc)
-for name in ("torchao", "numpy", "scipy", "pyomo", "pyscipopt"):
+for name in ("torchao", "numpy", "scipy", "typer", "matplotlib", "pyomo", "pyscipopt"):
     try:
         out[name] = md.version(name)
     except md.PackageNotFoundError:
         out[name] = None
+try:  # read only: the card's state as found (clocks, power, temperature), never set
+    import subprocess
+    query = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used"
+    done = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                          text=True, timeout=20)
+    out["nvidia_smi"] = dict(zip(query.split(","), (v.strip() for v in done.stdout.split(",")))) if done.returncode == 0 else None
+except (OSError, subprocess.SubprocessError):
+    out["nvidia_smi"] = None
 print(json.dumps(out))
 """
 
@@ -320,7 +329,7 @@ class Check:
 
     def environment(self) -> None:
         command = [sys.executable, "-c", ENVIRONMENT_PROBE]
-        outcome = self.phase("environment", command, run_command(command, self.timeout("environment", ("calibrate", "train", "predict", "refit")),
+        outcome = self.phase("environment", command, run_command(command, self.timeout("environment", ("train", "predict", "refit", "report")),
                                                                  self.work / "logs" / "environment.log", self.mode.device))
         env = _json(outcome.stdout) or {}
         self.summary["environment"] = env
@@ -336,7 +345,7 @@ class Check:
         self.write_summary()
 
     def calibrate(self) -> None:
-        later = ("train", "predict", "refit")
+        later = ("train", "predict", "refit", "report")
         if self.calibrated_given is not None:
             target = self.work / "calibrated.yaml"
             shutil.copyfile(self.calibrated_given, target)
@@ -398,7 +407,7 @@ class Check:
             command = mosaic("train", "--model", str(self.mode.model), "--layout", config.layout, "--steps", str(self.steps),
                              "--device", self.mode.device, "--cluster", bundled, "--out", str(runs / config.name),
                              "--no-checkpoint", "--no-progress")
-            left = self.timeout("train", ("predict", "refit"))
+            left = self.timeout("train", ("predict", "refit", "report"))
             if left < MIN_RUN_S[self.mode.device]:
                 self.phase(name, command, Outcome("skipped", message=f"{left:.0f} s left, under the "
                                                   f"{MIN_RUN_S[self.mode.device]:.0f} s a run needs to start"))
@@ -421,7 +430,7 @@ class Check:
         clusters = {"bundled": self.summary.get("bundled_cluster", self.mode.bundled_default)}
         if self.summary.get("calibrated_cluster"):
             clusters["calibrated"] = str(self.work / "calibrated.yaml")
-        self.summary["predictions"] = self._predict(clusters, "predict", ("refit",))
+        self.summary["predictions"] = self._predict(clusters, "predict", ("refit", "report"))
 
     def _predict(self, clusters: dict[str, str], phase: str, after: tuple[str, ...]) -> dict[str, dict[str, Any]]:
         timeout = self.timeout("predict", after)
@@ -445,7 +454,8 @@ class Check:
                 _write_atomic(self.work / "predictions" / f"{label}_{config_name}.json", outcome.stdout or "{}\n")
         statuses = sorted({v.get("status", "ok") for rows in out.values() for v in rows.values()})
         self.summary.setdefault("phases", {})[phase] = {
-            "status": "ok" if statuses == ["ok"] else "failed", "seconds": round(time.perf_counter() - started, 1),
+            "status": statuses[0] if len(statuses) == 1 and statuses[0] in ("ok", "skipped") else "failed",
+            "seconds": round(time.perf_counter() - started, 1),
             "returncode": None, "message": "" if statuses == ["ok"] else f"prediction statuses {statuses}",
             "command": f"mosaic predict --json x {len(jobs)} ({', '.join(clusters)})"}
         self.say(f"[{phase}] {len(jobs)} predictions on {', '.join(clusters)} in {time.perf_counter() - started:.1f} s")
@@ -462,7 +472,7 @@ class Check:
         if not usable:
             self.phase("refit", command, Outcome("skipped", message="no run to refit from"))
             return
-        outcome = self.phase("refit", command, run_command(command, self.timeout("refit", ()),
+        outcome = self.phase("refit", command, run_command(command, self.timeout("refit", ("report",)),
                                                            self.work / "logs" / "refit.log", self.mode.device))
         printed = _json(outcome.stdout)
         if outcome.status != "ok" or not isinstance(printed, dict):
@@ -474,7 +484,7 @@ class Check:
                 run.update(_run_figures_from_refit(run, row))
         self.summary["refit"]["base"] = "calibrated" if self.summary.get("calibrated_cluster") else "bundled"
         shutil.copyfile(output, self.out / "refit.yaml")
-        refit_predictions = self._predict({"refit": str(output)}, "predict (refit)", ())
+        refit_predictions = self._predict({"refit": str(output)}, "predict (refit)", ("report",))
         for name, rows in refit_predictions.items():
             self.summary["predictions"].setdefault(name, {}).update(rows)
         self.write_summary()
@@ -489,10 +499,14 @@ class Check:
         self.print_tables()
 
     def plots(self) -> None:
-        try:
-            _plot_step_times(self.summary, self.out / "step_time.png")
-            _plot_kernels(self.summary["kernels"], self.out / "kernels.png", self.mode.device)
-            _plot_memory(self.summary, self.out / "memory.png")
+        errors = self.summary.get("errors") or {}
+        try:  # each plot where it has figures to show
+            if errors:
+                _plot_step_times(self.summary, self.out / "step_time.png")
+            if self.summary["kernels"].get("points"):
+                _plot_kernels(self.summary["kernels"], self.out / "kernels.png", self.mode.device)
+            if any(e.get("memory_measured_bytes") for e in errors.values()):
+                _plot_memory(self.summary, self.out / "memory.png")
         except Exception as exc:  # a plot must not cost the figures: say why, keep going
             self.say(f"warning: a plot failed ({type(exc).__name__}: {exc})")
             self.summary["plot_error"] = f"{type(exc).__name__}: {exc}"
@@ -674,7 +688,7 @@ def _targets(summary: dict[str, Any], precision: str) -> list[dict[str, Any]]:
     main = {n: r for n, r in runs.items() if r.get("precision") == precision and r.get("mfu") is not None}
     targets = []
     best = max(main, key=lambda n: main[n]["mfu"]) if main else None
-    label = "bf16" if precision == "bf16" else f"{precision} here: a dry run"
+    label = "bf16" if precision == "bf16" else f"{precision}, a dry run"
     targets.append({"target": f"trainer MFU >= {TARGETS['mfu_bf16']:.0%} ({label})", "key": "mfu_bf16",
                     "value": main[best]["mfu"] if best else None, "config": best,
                     "met": (main[best]["mfu"] >= TARGETS["mfu_bf16"]) if best else None,
@@ -900,7 +914,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="output folder (new or empty)")
     parser.add_argument("--dry-run", action="store_true", help="the same orchestration on cpu with the tiny MoE")
     parser.add_argument("--steps", type=int, default=None, help="trainer steps per configuration (20; dry run 4)")
-    parser.add_argument("--budget-s", type=float, default=None, help="overall deadline in seconds (420; dry run 300)")
+    parser.add_argument("--budget-s", type=float, default=None, help="overall deadline in seconds (400; dry run 300)")
     parser.add_argument("--configs", default=None, help="comma-separated configuration names (default: all)")
     parser.add_argument("--calibrated", type=Path, default=None,
                         help="reuse this calibrated cluster (a first run's calibrated.yaml) instead of calibrating")

@@ -1,0 +1,194 @@
+"""benchmarks/gpu_check.py: its --dry-run (the GPU check's orchestration on cpu with the tiny MoE),
+its budget (a phase over its time is stopped with its process group; what is there is packed), its
+refusals before any work, and that what it leaves fits what the device tool brings back."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the GPU check trains with the bundled trainer (extra `train`)")
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up
+_spec.loader.exec_module(gpu_check)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("gpu_check") / "out"
+    return _run("--dry-run", "--out", str(out)), out
+
+
+def test_dry_run_completes_and_prints_each_target(dry_run):
+    done, out = dry_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dry_run"] and summary["device"] == "cpu" and summary["incomplete_phases"] == []
+    lines = done.stdout.splitlines()
+    printed = [line for line in lines if line.startswith("target ")]
+    assert [t["target"] for t in summary["targets"]] == [line[len("target "):].split(": ")[0] for line in printed]
+    for target, line in zip(summary["targets"], printed):
+        assert line.endswith({True: "-> met", False: "-> NOT met", None: "-> not measured"}[target["met"]])
+        if target["value"] is not None:  # met follows from the figure and the issue's threshold
+            threshold = gpu_check.TARGETS[target["key"]]
+            assert target["met"] == (target["value"] >= threshold if target["key"] == "mfu_bf16" else target["value"] <= threshold)
+    assert all(t["value"] is not None for t in summary["targets"])  # the dry run reaches every figure
+
+
+def test_dry_run_leaves_what_the_device_tool_brings_back(dry_run):
+    _, out = dry_run
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted(["summary.json", "step_time.png", "kernels.png", "memory.png", "calibrated.yaml",
+                            "calibrated.measurements.csv", "refit.yaml", "gpu_check.tar.gz"])
+    assert len(files) <= gpu_check.RETURN_LIMITS["files"]
+    assert all((out / f).stat().st_size < gpu_check.RETURN_LIMITS["file_bytes"] for f in files)
+    for png in ("step_time.png", "kernels.png", "memory.png"):
+        assert (out / png).read_bytes()[:8] == PNG
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        names = set(tar.getnames())
+    for config in ("bf16_mbs2", "bf16_mbs1", "bf16_mbs2_full"):
+        assert {f"gpu_check/runs/{config}/metrics.jsonl", f"gpu_check/runs/{config}/run.yaml"} <= names
+        assert f"gpu_check/runs/{config}/checkpoints" not in names  # --no-checkpoint
+        assert f"gpu_check/predictions/calibrated_{config}.json" in names
+    assert {"gpu_check/report/report.md", "gpu_check/logs/calibrate.log", "gpu_check/logs/gpu_check.log"} <= names
+
+
+def test_dry_run_phases_and_the_fp8_refusal_come_from_the_commands(dry_run):
+    _, out = dry_run
+    summary = json.loads((out / "summary.json").read_text())
+    phases = summary["phases"]
+    assert list(phases) == ["environment", "calibrate", "train bf16_mbs2", "train bf16_mbs1", "train bf16_mbs2_full",
+                            "train fp8_mbs2", "predict", "refit", "predict (refit)"]
+    assert {name: p["status"] for name, p in phases.items() if p["status"] != "ok"} == {"train fp8_mbs2": "refused"}
+    # the trainer's own one-line refusal, not a copy of its rule
+    assert phases["train fp8_mbs2"]["message"].startswith("error: layout: precision=fp8 needs a cuda GPU")
+    assert "--no-checkpoint" in phases["train bf16_mbs2"]["command"] and "--device cpu" in phases["calibrate"]["command"]
+    assert summary["bundled_cluster"] == "cpu_local"  # the calibration's base, read from the calibrated file
+
+
+def test_dry_run_figures_are_the_runs_and_predictions_they_name(dry_run, tmp_path):
+    _, out = dry_run
+    summary = json.loads((out / "summary.json").read_text())
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    work = tmp_path / "gpu_check"
+    refit_rows = {row["run"]: row for row in summary["refit"]["per_run"]}
+    assert set(summary["errors"]) == set(refit_rows) == {"bf16_mbs2", "bf16_mbs1", "bf16_mbs2_full"}
+    for name, e in summary["errors"].items():
+        rows = [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        run = summary["runs"][name]
+        assert run["steps_run"] == len(rows) == summary["steps"] == 4
+        used = [r["step_time_s"] for r in rows[-run["steps_used"]:]]
+        assert run["steps_used"] == 3  # from-runs drops the first step of a short run
+        assert e["measured_step_time_s"] == pytest.approx(sum(used) / len(used), rel=1e-4)  # from-runs rounds to 5 digits
+        assert run["tokens_per_s"] * e["measured_step_time_s"] == pytest.approx(4 * 32)  # gbs x seq_len of the tiny MoE
+        assert run["peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in rows)
+        for label in ("bundled", "calibrated", "refit"):
+            printed = json.loads((work / "predictions" / f"{label}_{name}.json").read_text())
+            assert e[f"predicted_{label}_s"] == printed["step_time_s"]
+            assert e[f"step_time_{label}"] == pytest.approx(printed["step_time_s"] / e["measured_step_time_s"] - 1)
+        # mosaic predict and calibrate --from-runs price a run alike on the calibrated cluster
+        assert e["predicted_calibrated_s"] == pytest.approx(refit_rows[name]["predicted_before_s"], rel=1e-3)
+        assert e["predicted_refit_s"] == pytest.approx(refit_rows[name]["predicted_after_s"], rel=1e-3)
+        assert e["memory"] == pytest.approx(e["memory_predicted_bytes"] / run["peak_memory_bytes"] - 1)
+    kernels = summary["kernels"]
+    assert kernels["status"] == "ok" and kernels["table"]["gemm fp32"]["points"] > 0
+    peak = json.loads(subprocess.run([sys.executable, "-m", "mosaic.cli.app", "show-cluster", "cpu_local", "--json"],
+                                     capture_output=True, text=True, check=True, cwd=REPO).stdout)
+    peak_fp32 = peak["accelerator"]["peak_flops_per_s"]["fp32"]
+    for point in (p for p in kernels["points"] if p["kind"] == "gemm" and p["precision"] == "fp32"):
+        assert point["efficiency_measured"] == pytest.approx(point["rate"] / peak_fp32)
+
+
+def test_a_phase_over_its_time_is_stopped_with_its_process_group(tmp_path):
+    marker = tmp_path / "child.pid"
+    code = ("import os, subprocess, sys, time; "
+            f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(marker)!r}, 'w').write(str(child.pid)); time.sleep(120)")
+    outcome = gpu_check.run_command([sys.executable, "-c", code], 3.0, tmp_path / "log.txt", "cpu")
+    assert outcome.status == "timeout" and "stopped after 3 s" in outcome.message
+    child = int(marker.read_text())
+    for _ in range(50):  # the grandchild went with the group (reaped, or a zombie at most)
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split()[2]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {child} of the stopped group still runs")
+    assert gpu_check.run_command(["true"], 0.0, tmp_path / "skipped.txt", "cpu").status == "skipped"
+
+
+def test_a_run_stopped_mid_step_keeps_the_steps_it_logged(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    rows = [{"step": i + 1, "step_time_s": t, "tokens_per_s": 128 / t, "mfu": 0.01 * 0.1 / t,
+             "tflops_per_device": 0.001 / t, "peak_memory_bytes": 100 + i, "loss": 5.0 - i} for i, t in
+            enumerate([0.5, 0.1, 0.2, 0.3])]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "step_ti')
+    figures = gpu_check._run_figures(folder, gpu_check.Outcome("timeout"))
+    assert figures["status"] == "timeout" and figures["steps_run"] == 4
+    assert figures["mean_step_time_s"] == pytest.approx(0.2)  # the first step is warm-up
+    assert figures["tokens_per_s"] == pytest.approx(128 / 0.2)
+    assert figures["mfu"] == pytest.approx(0.01 * 0.1 / 0.2)
+    assert figures["peak_memory_bytes"] == 103
+
+
+def test_no_time_left_skips_every_phase_and_still_packs(tmp_path):
+    out = tmp_path / "out"
+    done = _run("--dry-run", "--out", str(out), "--budget-s", "1", timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {p["status"] for p in summary["phases"].values()} == {"skipped"}
+    assert "environment" in summary["incomplete_phases"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "summary.json"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dry-run", "--configs", "nope"], "--configs: unknown nope"),
+    (["--dry-run", "--steps", "1"], "--steps: need at least 2"),
+    (["--dry-run", "--calibrated", "missing.yaml"], "--calibrated: missing.yaml is not a file"),
+])
+def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
+    out = tmp_path / "out"
+    done = _run(*args, "--out", str(out), timeout=120)
+    assert done.returncode == 2 and message in done.stderr
+    assert not out.exists()
+
+
+def test_a_folder_with_files_is_refused(tmp_path):
+    (tmp_path / "earlier.json").write_text("{}")
+    done = _run("--dry-run", "--out", str(tmp_path), timeout=120)
+    assert done.returncode == 2 and "is not an empty folder" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.json"]
+
+
+def test_the_gpu_check_without_a_gpu_is_refused_before_any_work(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    done = _run("--out", str(tmp_path / "out"), timeout=120)
+    assert done.returncode == 2 and "torch sees no CUDA device here" in done.stderr and "--dry-run" in done.stderr
+    assert not (tmp_path / "out").exists()
