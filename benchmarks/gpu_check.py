@@ -698,7 +698,7 @@ def _targets(summary: dict[str, Any], precision: str) -> list[dict[str, Any]]:
         values = {n: e[source] for n, e in errors.items() if e.get(source) is not None}
         worst = max(values, key=lambda n: abs(values[n])) if values else None
         mape = sum(abs(v) for v in values.values()) / len(values) if values else None
-        text = (f"max |error| {abs(values[worst]):.1%} ({worst}), MAPE {mape:.1%} over {len(values)}" if worst else "no figure")
+        text = (f"largest error {abs(values[worst]):.1%} ({worst}), MAPE {mape:.1%} over {len(values)}" if worst else "no figure")
         if key == "step_time_after_refit":
             loo = [abs(e["step_time_refit_loo"]) for e in errors.values() if e.get("step_time_refit_loo") is not None]
             text += f"; leave-one-out MAPE {sum(loo) / len(loo):.1%}" if loo else ""
@@ -709,7 +709,7 @@ def _targets(summary: dict[str, Any], precision: str) -> list[dict[str, Any]]:
     targets.append({"target": "memory within 5% of the peak measured", "key": "memory",
                     "value": abs(values[worst]) if worst else None, "config": worst,
                     "met": (abs(values[worst]) <= TARGETS["memory"]) if worst else None,
-                    "value_text": f"max |error| {abs(values[worst]):.1%} ({worst})" if worst else "no figure"})
+                    "value_text": f"largest error {abs(values[worst]):.1%} ({worst})" if worst else "no figure"})
     return targets
 
 
@@ -909,8 +909,76 @@ def _plot_memory(summary: dict[str, Any], path: Path) -> None:
 
 # --------------------------------------------------------------------------- command line
 
+def markdown_tables(summary: dict[str, Any]) -> str:
+    """The figures of a summary.json as the markdown tables docs/validation.md keeps (kernels,
+    trainer, step-time errors, memory, targets), headed by the run's environment."""
+    env = summary.get("environment") or {}
+    smi = env.get("nvidia_smi") or {}
+    lines = [f"{env.get('device_name', summary.get('device'))}, driver {smi.get('driver_version', '-')}, python "
+             f"{env.get('python')}, torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), torchao {env.get('torchao')}; "
+             f"{summary.get('steps')} steps per run, {summary.get('wall_s')} s in all; bundled cluster "
+             f"`{summary.get('bundled_cluster')}`.", ""]
+
+    def pct(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value:+.1%}"
+
+    table = (summary.get("kernels") or {}).get("table") or {}
+    lines += ["| kernel | points | median efficiency measured | best | measured / bundled figure (median) |",
+              "|---|---|---|---|---|"]
+    for key, row in table.items():
+        if "measured_s" in row:
+            bundled_s = row.get("bundled_s")
+            lines.append(f"| {key} | {row['points']} | {row['measured_s'] * 1e6:.2f} us per launch | - | "
+                         + (f"{row['measured_s'] / bundled_s:.2f} (bundled {bundled_s * 1e6:.1f} us) |" if bundled_s else "- |"))
+            continue
+        def fmt(v: Optional[float]) -> str:
+            return "-" if v is None else f"{v:.1%}"
+
+        ratio = row.get("median_measured_over_bundled")
+        lines.append(f"| {key} | {row['points']} | {fmt(row.get('median_efficiency_measured'))} | "
+                     f"{fmt(row.get('max_efficiency_measured'))} | {'-' if ratio is None else f'{ratio:.2f}'} |")
+    lines += ["", "| configuration | layout | steps used | step time (s) | tokens/s | MFU | peak memory (GiB) |",
+              "|---|---|---|---|---|---|---|"]
+    layouts = {c["name"]: c["layout"] for c in summary.get("configs") or []}
+    for name, run in (summary.get("runs") or {}).items():
+        if not run.get("mean_step_time_s"):
+            phase = (summary.get("phases") or {}).get(f"train {name}", {})
+            lines.append(f"| {name} | `{layouts.get(name, '')}` | {phase.get('status', '-')}: {phase.get('message', '')} | | | | |")
+            continue
+        lines.append(f"| {name} | `{layouts.get(name, '')}` | {run.get('steps_used')} | {run['mean_step_time_s']:.4g} | "
+                     f"{run['tokens_per_s']:,.0f} | {run['mfu']:.1%} | {run['peak_memory_bytes'] / 2**30:.2f} |")
+    lines += ["", "| configuration | measured (s) | bundled | after calibrate | after --from-runs | leave one out | "
+              "memory predicted (GiB) | memory error |", "|---|---|---|---|---|---|---|---|"]
+    for name, e in (summary.get("errors") or {}).items():
+        memory = e.get("memory_predicted_bytes")
+        lines.append(f"| {name} | {e['measured_step_time_s']:.4g} | {pct(e.get('step_time_bundled'))} | "
+                     f"{pct(e.get('step_time_calibrated'))} | {pct(e.get('step_time_refit'))} | "
+                     f"{pct(e.get('step_time_refit_loo'))} | {'-' if memory is None else f'{memory / 2**30:.2f}'} | "
+                     f"{pct(e.get('memory'))} |")
+    refit = summary.get("refit") or {}
+    if refit:
+        lines += ["", f"Refit (`mosaic calibrate --from-runs` on the {refit.get('base')} cluster): fitted "
+                  + ", ".join(f"{k} = {v:.4g}" for k, v in (refit.get("factors") or {}).items())
+                  + "; MAPE " + ", ".join(f"{k} {v:.1%}" for k, v in (refit.get("mape") or {}).items()) + "."]
+    lines += ["", "| target | figure | met |", "|---|---|---|"]
+    for target in summary.get("targets") or []:
+        lines.append(f"| {target['target']} | {target['value_text']} | "
+                     f"{ {True: 'yes', False: 'no', None: 'not measured'}[target['met']]} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--tables"]:  # print the tables of an earlier run's summary.json for docs/validation.md
+        if len(argv) != 2 or not Path(argv[1]).is_file():
+            print("usage: gpu_check.py --tables OUT/summary.json", file=sys.stderr)
+            return 2
+        print(markdown_tables(json.loads(Path(argv[1]).read_text())), end="")
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="gpu_check.py --tables OUT/summary.json prints an earlier run's figures "
+                                            "as the markdown tables of docs/validation.md")
     parser.add_argument("--out", type=Path, required=True, help="output folder (new or empty)")
     parser.add_argument("--dry-run", action="store_true", help="the same orchestration on cpu with the tiny MoE")
     parser.add_argument("--steps", type=int, default=None, help="trainer steps per configuration (20; dry run 4)")

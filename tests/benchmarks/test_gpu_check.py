@@ -165,30 +165,62 @@ def test_no_time_left_skips_every_phase_and_still_packs(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "summary.json"]
 
 
+def _refused(capsys, *args: str) -> str:
+    """main's exit code 2 and its one-line error (argparse's)."""
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(list(args))
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dry-run", "--configs", "nope"], "--configs: unknown nope"),
     (["--dry-run", "--steps", "1"], "--steps: need at least 2"),
     (["--dry-run", "--calibrated", "missing.yaml"], "--calibrated: missing.yaml is not a file"),
 ])
-def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
+def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys, args, message):
     out = tmp_path / "out"
-    done = _run(*args, "--out", str(out), timeout=120)
-    assert done.returncode == 2 and message in done.stderr
+    assert message in _refused(capsys, *args, "--out", str(out))
     assert not out.exists()
 
 
-def test_a_folder_with_files_is_refused(tmp_path):
+def test_a_folder_with_files_is_refused(tmp_path, capsys):
     (tmp_path / "earlier.json").write_text("{}")
-    done = _run("--dry-run", "--out", str(tmp_path), timeout=120)
-    assert done.returncode == 2 and "is not an empty folder" in done.stderr
+    assert "is not an empty folder" in _refused(capsys, "--dry-run", "--out", str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.json"]
 
 
-def test_the_gpu_check_without_a_gpu_is_refused_before_any_work(tmp_path):
+def test_the_gpu_check_without_a_gpu_is_refused_before_any_work(tmp_path, capsys):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    done = _run("--out", str(tmp_path / "out"), timeout=120)
-    assert done.returncode == 2 and "torch sees no CUDA device here" in done.stderr and "--dry-run" in done.stderr
+    err = _refused(capsys, "--out", str(tmp_path / "out"))
+    assert "torch sees no CUDA device here" in err and "--dry-run" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_tables_print_the_summary_as_markdown_for_the_validation_page(dry_run, capsys):
+    _, out = dry_run
+    assert gpu_check.main(["--tables", str(out / "summary.json")]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    tables = [block.splitlines() for block in capsys.readouterr().out.split("\n\n") if block.startswith("|")]
+    assert len(tables) == 4  # kernels, trainer, errors, targets
+    for table in tables:  # every row has its header's columns (no stray '|' inside a cell)
+        assert {row.count("|") for row in table} == {table[0].count("|")}, table
+    for name, run in summary["runs"].items():
+        expected = f"{run['mfu']:.1%}" if run.get("mean_step_time_s") else "refused: error: layout: precision=fp8"
+        assert any(row.startswith(f"| {name} |") and expected in row for row in tables[1]), name
+    assert [row.split(" | ")[0][2:] for row in tables[3][2:]] == [t["target"] for t in summary["targets"]]
+    assert gpu_check.main(["--tables", str(out / "missing.json")]) == 2
+
+
+def test_every_option_is_in_the_commands_page(capsys):
+    import re
+
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--help"])
+    options = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", capsys.readouterr().out)) - {"--help"}
+    page = (REPO / "docs" / "commands.md").read_text()
+    section = page.split("## The GPU check: `benchmarks/gpu_check.py`", 1)[1].split("\n## ", 1)[0]
+    assert options and not sorted(o for o in options if o not in section)
