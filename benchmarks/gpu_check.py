@@ -352,8 +352,9 @@ class Check:
             csv_given = self.calibrated_given.with_name(f"{self.calibrated_given.stem}.measurements.csv")
             if csv_given.is_file():
                 shutil.copyfile(csv_given, self.work / "calibrated.measurements.csv")
-            self.summary["phases"]["calibrate"] = {"status": "ok", "seconds": 0.0, "returncode": None,
-                                                   "message": f"reused {self.calibrated_given}", "command": ""}
+            self.summary.setdefault("phases", {})["calibrate"] = {
+                "status": "ok", "seconds": 0.0, "returncode": None, "message": f"reused {self.calibrated_given}",
+                "command": ""}
             self.after_calibration(target, {})
             return
         output = self.work / "calibrated.yaml"
@@ -479,14 +480,14 @@ class Check:
             return
         self.summary["refit"] = {k: printed.get(k) for k in ("runs", "factors", "fitted", "fixed", "mape", "per_run")}
         for row in printed.get("per_run") or []:  # the refit's measured step time: its warm-up rule, one home
-            run = self.summary["runs"].get(row["run"])
+            run = self.summary.get("runs", {}).get(row["run"])
             if run and run.get("mean_step_time_s"):
                 run.update(_run_figures_from_refit(run, row))
         self.summary["refit"]["base"] = "calibrated" if self.summary.get("calibrated_cluster") else "bundled"
         shutil.copyfile(output, self.out / "refit.yaml")
         refit_predictions = self._predict({"refit": str(output)}, "predict (refit)", ("report",))
         for name, rows in refit_predictions.items():
-            self.summary["predictions"].setdefault(name, {}).update(rows)
+            self.summary.setdefault("predictions", {}).setdefault(name, {}).update(rows)
         self.write_summary()
 
     def compare(self) -> None:
@@ -512,15 +513,16 @@ class Check:
             self.summary["plot_error"] = f"{type(exc).__name__}: {exc}"
 
     def print_tables(self) -> None:
-        errors = self.summary["errors"]
+        errors = self.summary.get("errors") or {}
+        runs = self.summary.get("runs") or {}
         self.say("")
         self.say(f"{'configuration':<16} {'measured ms':>12} {'bundled':>9} {'calibrated':>11} {'refit':>8} {'LOO':>8} "
                  f"{'tokens/s':>10} {'MFU':>6} {'memory GiB':>11} {'predicted':>10}")
         for config in self.configs:
-            run = self.summary["runs"].get(config.name, {})
+            run = runs.get(config.name, {})
             e = errors.get(config.name, {})
-            if not run.get("steps_run"):
-                status = self.summary["phases"].get(f"train {config.name}", {})
+            if not e:
+                status = self.summary.get("phases", {}).get(f"train {config.name}", {})
                 self.say(f"{config.name:<16} {status.get('status', '-')}: {status.get('message', '')}"[:160])
                 continue
 

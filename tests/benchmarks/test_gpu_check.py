@@ -224,3 +224,62 @@ def test_every_option_is_in_the_commands_page(capsys):
     page = (REPO / "docs" / "commands.md").read_text()
     section = page.split("## The GPU check: `benchmarks/gpu_check.py`", 1)[1].split("\n## ", 1)[0]
     assert options and not sorted(o for o in options if o not in section)
+
+
+def _gpu_check(tmp_path: Path) -> gpu_check.Check:
+    check = gpu_check.Check(mode=gpu_check.GPU, out=tmp_path, steps=20, deadline=time.monotonic() + 400,
+                            dry_run=False, configs=gpu_check.GPU_CONFIGS)
+    check.started = time.monotonic()
+    check.work.mkdir(parents=True)
+    return check
+
+
+def test_a_gpu_the_device_rule_refuses_is_calibrated_on_h200_and_the_refusal_kept(tmp_path, monkeypatch):
+    """The device -> cluster rule refuses a GPU no bundled cluster matches, naming --cluster: the check
+    calibrates again on the h200 file, keeps the refusal, and counts the calibration as done."""
+    commands = []
+
+    def fake(command, timeout_s, log, device):
+        commands.append(command)
+        if "--cluster" not in command:
+            return gpu_check.Outcome("refused", 3.0, 2, "error: no bundled cluster for 'NVIDIA H200 NVL'; give --cluster")
+        output = Path(command[command.index("-o") + 1])
+        output.write_text("version: 1\n")
+        output.with_name(f"{output.stem}.measurements.csv").write_text("kind\n")
+        return gpu_check.Outcome("ok", 40.0, 0, "", '{"output": "%s"}' % output)
+
+    monkeypatch.setattr(gpu_check, "run_command", fake)
+    check = _gpu_check(tmp_path)
+    check.calibrate()
+    assert [c[c.index("calibrate"):] for c in commands][1][-2:] == ["--cluster", "h200"]
+    assert "--device" in commands[0] and commands[0][commands[0].index("--device") + 1] == "cuda"
+    phases = check.summary["phases"]
+    assert phases["calibrate"]["status"] == "refused" and phases["calibrate (--cluster h200)"]["status"] == "ok"
+    assert (tmp_path / "calibrated.yaml").is_file() and (tmp_path / "calibrated.measurements.csv").is_file()
+    assert check.incomplete() == []
+
+
+def test_on_cuda_memory_is_compared_without_the_framework_term(tmp_path):
+    """torch.cuda.max_memory_allocated counts tensors, not the CUDA context or allocator slack."""
+    summary = {"device": "cuda", "runs": {"bf16_mbs2": {"mean_step_time_s": 1.0, "peak_memory_bytes": 80e9}},
+               "predictions": {"bf16_mbs2": {"calibrated": {"step_time_s": 1.05, "memory_per_device_bytes": 88e9,
+                                                            "memory_breakdown": {"framework": 3e9}}}}}
+    row = gpu_check._errors(summary)["bf16_mbs2"]
+    assert row["memory_predicted_bytes"] == 85e9 and row["memory"] == pytest.approx(85 / 80 - 1)
+    assert row["step_time_calibrated"] == pytest.approx(0.05) and row["step_time_bundled"] is None
+    target = {t["key"]: t for t in gpu_check._targets({**summary, "errors": {"bf16_mbs2": row}}, "bf16")}
+    assert target["memory"]["met"] is False and target["step_time_after_calibrate"]["met"] is True
+    assert target["mfu_bf16"]["met"] is None  # no bf16 run recorded its precision
+
+
+def test_the_gpu_configurations_fit_one_h200_by_the_bundled_model(tmp_path):
+    """The GPU check's layouts run on one device and the bundled h200 file predicts each feasible."""
+    for config in gpu_check.GPU_CONFIGS:
+        done = subprocess.run([sys.executable, "-m", "mosaic.cli.app", "predict", "--cluster", "h200", "--model",
+                               str(gpu_check.GPU_MODEL), "--layout", config.layout, "--json"],
+                              capture_output=True, text=True, cwd=REPO)
+        assert done.returncode == 0, done.stderr
+        printed = json.loads(done.stdout)
+        assert printed["devices"] == 1 and printed["feasible"], (config.name, printed["reason"])
+    model = gpu_check._model_figures(gpu_check.GPU_MODEL)
+    assert 0.9e9 < model["active_params"] < 1.2e9  # "about 1B active"
