@@ -246,7 +246,7 @@ def test_a_gpu_the_device_rule_refuses_is_calibrated_on_h200_and_the_refusal_kep
         output = Path(command[command.index("-o") + 1])
         output.write_text("version: 1\n")
         output.with_name(f"{output.stem}.measurements.csv").write_text("kind\n")
-        return gpu_check.Outcome("ok", 40.0, 0, "", '{"output": "%s"}' % output)
+        return gpu_check.Outcome("ok", 40.0, 0, "", json.dumps({"output": str(output)}))
 
     monkeypatch.setattr(gpu_check, "run_command", fake)
     check = _gpu_check(tmp_path)
