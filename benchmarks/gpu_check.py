@@ -255,8 +255,11 @@ class Check:
     configs: tuple[Config, ...]
     calibrated_given: Optional[Path] = None
     work: Path = field(init=False)
+    started: float = field(init=False, default=0.0)
     summary: dict[str, Any] = field(default_factory=dict)
     log_lines: list[str] = field(default_factory=list)
+    specs: dict[str, Optional[dict[str, Any]]] = field(default_factory=dict)
+    """`mosaic show-cluster --json` of each cluster asked for, by name or path."""
 
     def __post_init__(self) -> None:
         self.work = self.out / "work"
@@ -291,7 +294,7 @@ class Check:
         self.work.mkdir(parents=True)
         self.summary = {"version": 1, "issue": 22, "dry_run": self.dry_run, "device": self.mode.device,
                         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "budget_s": round(self.remaining()),
-                        "steps": self.steps, "model_file": str(self.mode.model.relative_to(REPO)),
+                        "commit": _commit(), "steps": self.steps, "model_file": str(self.mode.model.relative_to(REPO)),
                         "configs": [c.__dict__ for c in self.configs], "targets_wanted": TARGETS}
         self.write_summary()
         try:
@@ -389,13 +392,14 @@ class Check:
         return str(base) if base else self.mode.bundled_default
 
     def show_cluster(self, cluster: Any) -> Optional[dict[str, Any]]:
-        key = f"_spec_{cluster}"
-        if key not in self.__dict__:
-            command = mosaic("show-cluster", str(cluster), "--json")
+        """The resolved cluster as `mosaic show-cluster --json` prints it (None where it fails)."""
+        key = str(cluster)
+        if key not in self.specs:
+            command = mosaic("show-cluster", key, "--json")
             done = subprocess.run(command, capture_output=True, text=True, env=_env(self.mode.device), cwd=REPO,
                                   timeout=60)
-            self.__dict__[key] = _json(done.stdout) if done.returncode == 0 else None
-        return self.__dict__[key]
+            self.specs[key] = _json(done.stdout) if done.returncode == 0 else None
+        return self.specs[key]
 
     def train(self) -> None:
         bundled = self.bundled()
@@ -577,6 +581,15 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def _commit() -> Optional[str]:
+    """The checkout's commit, where git and the repository's history are there (a copied tree may lack them)."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
 def _model_figures(model_file: Path) -> dict[str, Any]:
@@ -916,7 +929,8 @@ def markdown_tables(summary: dict[str, Any]) -> str:
     trainer, step-time errors, memory, targets), headed by the run's environment."""
     env = summary.get("environment") or {}
     smi = env.get("nvidia_smi") or {}
-    lines = [f"{env.get('device_name', summary.get('device'))}, driver {smi.get('driver_version', '-')}, python "
+    lines = [f"Commit {summary.get('commit') or '-'}, {summary.get('started')}: "
+             f"{env.get('device_name', summary.get('device'))}, driver {smi.get('driver_version', '-')}, python "
              f"{env.get('python')}, torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), torchao {env.get('torchao')}; "
              f"{summary.get('steps')} steps per run, {summary.get('wall_s')} s in all; bundled cluster "
              f"`{summary.get('bundled_cluster')}`.", ""]
