@@ -175,6 +175,8 @@ def train(
     out: Path = typer.Option(Path("runs/train"), "--out", help="Run folder: run.yaml, metrics.jsonl, checkpoints/."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in --out."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Checkpoint every N steps (0: at the end)."),
+    checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint", help="--no-checkpoint saves none (throughput "
+                                    "runs: a checkpoint holds 16 bytes per parameter)."),
     seed: int = typer.Option(0, "--seed", help="Seed of weights and synthetic data."),
     lr: float = typer.Option(3e-3, "--lr", help="Peak learning rate (AdamW, cosine to 10%)."),
     warmup: int = typer.Option(0, "--warmup", help="Linear warm-up steps."),
@@ -188,9 +190,9 @@ def train(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress display on rank 0."),
 ) -> None:
     """Train a plan's model with its layout (data, tensor, pipeline, expert parallel) and write metrics.jsonl."""
-    options = {"steps": steps, "resume": resume, "checkpoint_every": checkpoint_every, "seed": seed, "lr": lr,
-               "warmup_steps": warmup, "router": router, "experts": experts, "data": data, "progress": progress,
-               "val_data": val_data, "eval_every": eval_every, "eval_batches": eval_batches}
+    options = {"steps": steps, "resume": resume, "checkpoint": checkpoint, "checkpoint_every": checkpoint_every,
+               "seed": seed, "lr": lr, "warmup_steps": warmup, "router": router, "experts": experts, "data": data,
+               "progress": progress, "val_data": val_data, "eval_every": eval_every, "eval_batches": eval_batches}
     config = build_config(plan=plan, model=model, layout=layout, nproc=nproc, device=device, cluster=cluster,
                           out=out, options=options)
     if data != "synthetic":

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from calibration.timing import synchronize
 from mosaic.trainer import checkpoint
 from mosaic.trainer.config import RunConfig, load_run_config
 from mosaic.trainer.data import collate, make_source, rank_sample_indices
@@ -90,6 +91,15 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
     return torch.optim.AdamW(groups, lr=config.train.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
 
 
+def build_model(arch: Any, opts: Any, device: torch.device) -> Transformer:
+    """The model, its parameters created and initialised on `device` (the same weights on every
+    rank of one device type: each seeds its generator alike). Built there rather than on the host
+    and copied: the host's normal_ fills about 3e7 values a second, minutes for a model of a few
+    billion parameters, which a GPU does in well under a second."""
+    with torch.device(device):
+        return Transformer(arch, router=opts.router, experts_impl=opts.experts)
+
+
 def _update_router_bias(layers: list[Any], global_load: torch.Tensor, rate: float) -> None:
     """DeepSeek-V3 aux-loss-free balancing: b_i += rate * sign(mean load - load_i)."""
     for moe, load in zip(layers, global_load):
@@ -126,8 +136,7 @@ def run(config: RunConfig, keep_process_group: bool = False) -> list[dict[str, A
     out = Path(config.out_dir)
 
     meshes = build_meshes(layout, device.type)
-    model = Transformer(arch, router=opts.router, experts_impl=opts.experts)  # same weights on every rank (seed)
-    model.to(device)
+    model = build_model(arch, opts, device)
     if config.precision == "fp8":
         apply_fp8(model, device)
     pipe: Optional[Pipeline] = None
@@ -216,6 +225,7 @@ def run(config: RunConfig, keep_process_group: bool = False) -> list[dict[str, A
             dist.all_reduce(stats)  # NOTE: host-device sync below (.tolist())
             global_load = stats[2:].view_as(loads)
             _update_router_bias(layers, global_load[moe_rows], opts.bias_update_rate)
+            synchronize(device)  # the step's kernels are done before the clock is read (cuda/npu are asynchronous)
             step_time = time.perf_counter() - t0
             a2a_s += A2ATimer.take()
             val_loss = None
@@ -240,7 +250,8 @@ def run(config: RunConfig, keep_process_group: bool = False) -> list[dict[str, A
                     val = f"  val {val_rows[-1][1]:.4f}" if val_rows else ""
                     progress.update(task, advance=1, description=f"loss {loss:.4f}{val}  {row['tokens_per_s']:,.0f} "
                                     f"tok/s  MFU {row['mfu']:.1%}")
-            if (opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0) or step + 1 == opts.steps:
+            if opts.checkpoint and ((opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0)
+                                    or step + 1 == opts.steps):
                 checkpoint.save(out, step + 1, module, optimizer, meshes, opts.keep_checkpoints)
     if rank == 0 and rows:
         timed = rows[1:] or rows  # the first step includes warm-up
