@@ -11,6 +11,8 @@ One line per optimizer step with exactly the keys `METRIC_KEYS`:
   peak_memory_bytes  cuda/npu: peak allocated device memory; cpu: peak resident set of rank 0
   expert_imbalance   max / mean tokens per expert over the global batch, averaged over MoE
                      layers (1.0 for a dense model)
+  val_loss           cross-entropy on the held-out token file after this step (nats/token,
+                     `validation.validation_loss`), null at steps without a validation
 Model FLOPs follow the perfmodel convention: `model_flops_per_token`
 (6*N_act + 6*h*V + 12*L*s*h_q; recompute not counted).
 """
@@ -20,18 +22,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from perfmodel.specs.architecture import MoEArchitecture, model_flops_per_token, model_flops_per_token_palm
 from perfmodel.specs.strict import write_text_atomic
 
 METRIC_KEYS = ("step", "loss", "aux_loss", "tokens_per_s", "step_time_s", "mfu", "tflops_per_device",
-               "peak_memory_bytes", "expert_imbalance")
+               "peak_memory_bytes", "expert_imbalance", "val_loss")
 
 
 def step_metrics(*, step: int, loss: float, aux_loss: float, step_time_s: float, tokens: int,
                  arch: MoEArchitecture, world: int, peak_flops_per_s: float, peak_memory_bytes: int,
-                 expert_imbalance: float) -> dict[str, Any]:
+                 expert_imbalance: float, val_loss: Optional[float] = None) -> dict[str, Any]:
     """One metrics row; the FLOP convention is perfmodel's."""
     tokens_per_s = tokens / step_time_s
     flops_per_s = float(model_flops_per_token(arch)) * tokens_per_s
@@ -47,6 +49,7 @@ def step_metrics(*, step: int, loss: float, aux_loss: float, step_time_s: float,
         "tflops_per_device": per_device / 1e12,
         "peak_memory_bytes": int(peak_memory_bytes),
         "expert_imbalance": float(expert_imbalance),
+        "val_loss": None if val_loss is None else float(val_loss),
     }
 
 

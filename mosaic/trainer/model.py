@@ -96,11 +96,18 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
-def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
-    """torch's grouped GEMM exists and the inner strides are 16-byte aligned (its requirement)."""
+def _grouped_mm_ok(dtype: Optional[torch.dtype], *tensors: torch.Tensor) -> bool:
+    """torch's grouped GEMM exists and the inner strides are 16-byte aligned in the dtype it
+    will run in (`dtype`, or each tensor's own when None): its requirement."""
     if not hasattr(F, "grouped_mm"):
         return False
-    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+    return all(t.shape[-1] * (dtype or t.dtype).itemsize % 16 == 0 for t in tensors)
+
+
+def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The lower-precision dtype autocast gives a matmul on x's device, None where autocast is off."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 class GroupedExperts(nn.Module):
@@ -132,19 +139,28 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs, dim=0)
 
     def forward_grouped(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """One grouped GEMM per matrix. Operands are cast to the autocast dtype where autocast is
+        on, as it would cast a matmul: torch's grouped GEMM is not registered with autocast
+        (pytorch/pytorch#174763), and without the cast the routed experts of a bf16-autocast
+        run compute in fp32."""
         offsets = torch.cumsum(counts_E, dim=0).to(torch.int32)  # group ends, (E,)
-        h1 = F.grouped_mm(x_NH, self.w1, offs=offsets)
-        h3 = F.grouped_mm(x_NH, self.w3, offs=offsets) if self.w3 is not None else None
-        return F.grouped_mm(self._act(h1, h3), self.w2, offs=offsets)
+        dtype = autocast_dtype(x_NH)
+        x, w1, w2 = (t if dtype is None else t.to(dtype) for t in (x_NH, self.w1, self.w2))
+        w3 = self.w3 if dtype is None or self.w3 is None else self.w3.to(dtype)
+        h1 = F.grouped_mm(x, w1, offs=offsets)
+        h3 = F.grouped_mm(x, w3, offs=offsets) if w3 is not None else None
+        return F.grouped_mm(self._act(h1, h3), w2, offs=offsets)
 
     def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        if self.impl == "grouped" and x_NH.shape[0] > 0 and _grouped_mm_ok(self.w1, self.w2):
+        dtype = autocast_dtype(x_NH)
+        if self.impl == "grouped" and x_NH.shape[0] > 0 and _grouped_mm_ok(dtype, self.w1, self.w2):
             return self.forward_grouped(x_NH, counts_E)
         if x_NH.shape[0] == 0:
             # Keep the autograd graph through x and the weights even without rows: under expert
-            # parallel every rank must run the same backward all-to-alls.
+            # parallel every rank must run the same backward all-to-alls, and send the dtype the
+            # ranks with rows send (the autocast dtype where autocast is on).
             anchor = x_NH.sum() + sum(p.sum() for p in self.parameters(recurse=False))
-            return x_NH.new_zeros(0, self.w2.shape[-1]) + 0.0 * anchor
+            return (x_NH.new_zeros(0, self.w2.shape[-1]) + 0.0 * anchor).to(dtype or x_NH.dtype)
         return self.forward_loop(x_NH, counts_E)
 
 

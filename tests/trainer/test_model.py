@@ -12,6 +12,7 @@ from mosaic.trainer.model import GroupedExperts, MoE, Transformer  # noqa: E402
 from mosaic.trainer.parallelize import _source_to_expert_major, apply_ac  # noqa: E402
 
 
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="this torch has no grouped_mm (the loop runs)")
 @pytest.mark.parametrize("gated", [True, False])
 def test_grouped_experts_equal_loop_reference(gated):
     torch.manual_seed(0)
@@ -34,6 +35,28 @@ def test_grouped_experts_equal_loop_reference(gated):
     torch.testing.assert_close(y_grouped, y_loop, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads_grouped, grads_loop):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_grouped_experts_compute_in_the_autocast_dtype_like_the_loop(gated):
+    """torch's grouped GEMM is not registered with autocast (pytorch/pytorch#174763): under bf16
+    autocast the grouped path must cast its operands as autocast casts the loop's matmuls, or
+    the routed experts of a cuda bf16 run compute in fp32."""
+    torch.manual_seed(1)
+    experts = GroupedExperts(n_experts=4, d_model=16, d_expert=16, gated=gated)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    counts = torch.tensor([5, 0, 7, 4])
+    x = torch.randn(int(counts.sum()), 16, requires_grad=True)  # fp32 rows, as the MoE layer hands them
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_grouped = experts(x, counts)
+        y_loop = experts.forward_loop(x, counts)
+        y_empty = experts(x[:0], counts * 0)
+    assert y_grouped.dtype == y_loop.dtype == y_empty.dtype == torch.bfloat16
+    torch.testing.assert_close(y_grouped.float(), y_loop.float(), rtol=2e-2, atol=2e-2)
+    y_grouped.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32  # master weights and inputs keep their dtype
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in experts.parameters())
 
 
 def test_moe_layer_equals_per_token_sum(tiny_arch):
