@@ -27,7 +27,7 @@ from typing import Any, Optional
 from perfmodel.specs.architecture import MoEArchitecture, model_flops_per_token, model_flops_per_token_palm
 from perfmodel.specs.strict import write_text_atomic
 
-METRIC_KEYS = ("step", "loss", "aux_loss", "tokens_per_s", "step_time_s", "mfu", "tflops_per_device",
+METRIC_KEYS = ("step", "loss", "aux_loss", "tokens_per_s", "step_time_s", "mfu", "mfu_palm", "tflops_per_device",
                "peak_memory_bytes", "expert_imbalance", "val_loss")
 
 
