@@ -7,6 +7,7 @@ One line per optimizer step with exactly the keys `METRIC_KEYS`:
   tokens_per_s       global batch tokens / step_time_s
   step_time_s        wall time of the step on rank 0 (data, forward, backward, optimizer)
   mfu                model FLOP/s / (world * device peak of the compute precision)
+  mfu_palm           the same with the PaLM / Megatron attention count (12*L*s*h_q, no causal halving)
   tflops_per_device  model FLOP/s per device / 1e12
   peak_memory_bytes  cuda/npu: peak allocated device memory; cpu: peak resident set of rank 0
   expert_imbalance   max / mean tokens per expert over the global batch, averaged over MoE
@@ -14,7 +15,7 @@ One line per optimizer step with exactly the keys `METRIC_KEYS`:
   val_loss           cross-entropy on the held-out token file after this step (nats/token,
                      `validation.validation_loss`), null at steps without a validation
 Model FLOPs follow the perfmodel convention: `model_flops_per_token`
-(6*N_act + 6*h*V + 12*L*s*h_q; recompute not counted).
+(6*N_act + 6*h*V + 6*L*s*h_q, causal attention as executed; recompute not counted).
 """
 
 from __future__ import annotations
