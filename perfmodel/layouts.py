@@ -21,8 +21,8 @@ import numpy as np
 
 from perfmodel.evaluate import REASONS, EvalResult, evaluate
 from perfmodel.specs.layout import (
+    CORE_LAYOUT_FIELDS,
     DP_FLAVORS,
-    LAYOUT_FIELDS,
     PRECISIONS,
     RECOMPUTE_MODES,
     LayoutBatch,
@@ -69,9 +69,9 @@ def layout_grid(devices: int, *, tp: Sequence[int], pp: Sequence[int], vpp: Sequ
                      RECOMPUTE_MODES.index(rec), sp, PRECISIONS.index(prec)))
     if not rows:
         return LayoutBatch(**{name: np.zeros(0, dtype=bool if name == "sequence_parallel" else np.int64)
-                              for name in LAYOUT_FIELDS})
+                              for name in CORE_LAYOUT_FIELDS})
     table = np.asarray(rows, dtype=np.int64)
-    cols = {name: table[:, i] for i, name in enumerate(LAYOUT_FIELDS)}
+    cols = {name: table[:, i] for i, name in enumerate(CORE_LAYOUT_FIELDS)}
     cols["sequence_parallel"] = cols["sequence_parallel"].astype(bool)
     return LayoutBatch(**cols)
 

@@ -1,12 +1,16 @@
 """Pipeline schedule, stage contents, straggler and goodput.
 
-- Stages: L layers split evenly over pp stages (pp*vpp model chunks). The
-  leading `n_dense_layers` are dense-FFN layers, so the first stage holds the
-  most dense layers and the last the most MoE layers; the first also holds the
-  embedding, the last the LM head (Megatron). Every other stage is bounded by
-  one of these two (a middle stage has no more dense layers than the first, no
-  more MoE layers than the last, and neither end block), so the step is
-  priced on the slower of first and last.
+- Stages (`pipeline_stages`): the layers of each of the pp*vpp virtual stages follow the
+  layout's split (`perfmodel.specs.stages`: even, balanced, Megatron's first/last or
+  account-for options, or its layout string); virtual stage j sits on pipeline rank j % pp.
+  The leading `n_dense_layers` are dense-FFN layers; rank 0 also holds the embedding, rank
+  pp-1 the LM head and the MTP modules (Megatron). Each rank's blocks are the sum over its
+  chunks. A rank is priced unless an earlier rank (or rank 0) holds at least as many of every
+  block: time and memory grow with every block count, and an earlier rank holds at least as
+  many in-flight micro-batches, so such a rank is never the slowest or the largest. The
+  survivors (rank 0, rank pp-1 and the undominated middle ranks) are the stages `evaluate`
+  prices; the slowest sets the step, the largest the memory per device. With an even split
+  the middle ranks are dominated (by rank 0, or by rank 1 when dense layers spill there).
 - 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
   on GPU Clusters Using Megatron-LM", sec. 2.2): a step is (m + (pp-1)/vpp)
   micro-batch slots of the slowest stage; the bubble is the (pp-1)/vpp extra
@@ -24,31 +28,99 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Union
+
 import numpy as np
 
 from perfmodel.specs.architecture import n_ffn_dense_layers
 from perfmodel.specs.cluster import ClusterSpec
+from perfmodel.specs.layout import LayoutBatch, ParallelLayout
 from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
+from perfmodel.specs.stages import stage_layer_table
+
+STAGE_BLOCKS = ("attention", "dense_ffn", "moe", "embedding", "head", "mtp")
+"""Block counts of a pipeline stage (`Stage.counts`); mtp counts MTP modules."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One priced pipeline stage of every candidate: its pipeline rank and block counts."""
+
+    rank: Values
+    """Pipeline rank (0 = first)."""
+    counts: dict[str, Values]
+    """Blocks it holds, by STAGE_BLOCKS (layers for attention/dense_ffn/moe)."""
+
+
+def rank_block_counts(arch: ArchLike, lay: LayoutLike) -> dict[str, np.ndarray]:
+    """(n, max pp) arrays: the blocks each pipeline rank holds (0 beyond a candidate's pp)."""
+    batch = lay if isinstance(lay, LayoutBatch) else LayoutBatch.stack([lay])
+    n_layers = np.atleast_1d(np.asarray(arch.n_layers)).astype(np.int64)
+    n = max(len(batch), len(n_layers))
+    n_layers = np.broadcast_to(n_layers, (n,))
+    table = stage_layer_table(n_layers, batch)  # (n, W) layers per virtual stage
+    dense_total = np.broadcast_to(np.atleast_1d(np.asarray(n_ffn_dense_layers(arch), dtype=float)), (n,))
+    starts = np.cumsum(table, axis=1) - table
+    dense_table = np.clip(dense_total[:, None] - starts, 0.0, table)
+    pp = np.broadcast_to(np.asarray(batch.pp, dtype=np.int64), (n,))
+    width_ranks = int(pp.max()) if n else 1
+    attention = np.zeros((n, width_ranks))
+    dense = np.zeros((n, width_ranks))
+    for p in np.unique(pp):  # virtual stage j = c * pp + r: fold the chunks of each rank
+        rows = np.flatnonzero(pp == p)
+        chunks = -(-table.shape[1] // p)
+        pad = chunks * p - table.shape[1]
+        t = np.pad(table[rows], ((0, 0), (0, pad))).reshape(len(rows), chunks, p).sum(axis=1)
+        d = np.pad(dense_table[rows], ((0, 0), (0, pad))).reshape(len(rows), chunks, p).sum(axis=1)
+        attention[rows, :p] = t
+        dense[rows, :p] = d
+    r = np.arange(width_ranks)[None, :]
+    last = (pp - 1)[:, None]
+    mtp = np.broadcast_to(np.atleast_1d(np.asarray(arch.n_mtp_layers, dtype=float)), (n,))
+    return {"attention": attention, "dense_ffn": dense, "moe": attention - dense,
+            "embedding": np.where(r == 0, 1.0, 0.0) * np.ones((n, 1)), "head": np.where(r == last, 1.0, 0.0),
+            "mtp": np.where(r == last, mtp[:, None], 0.0)}
+
+
+def pipeline_stages(arch: ArchLike, lay: LayoutLike) -> list[Stage]:
+    """The stages `evaluate` prices (module doc): [rank 0, rank pp-1, undominated middle ranks...],
+    padded with rank 0 where a candidate has fewer. One configuration gives floats."""
+    single = isinstance(lay, ParallelLayout)
+    per_rank = rank_block_counts(arch, lay)
+    n, width = per_rank["attention"].shape
+    pp = np.broadcast_to(np.asarray(lay.pp, dtype=np.int64), (n,))
+    rows = np.arange(n)
+    kept = np.zeros((n, width), dtype=bool)
+    layer_blocks = ("attention", "dense_ffn", "moe")
+    for r in range(1, width - 1):
+        dominated = np.zeros(n, dtype=bool)
+        for s in range(r):
+            ge = np.ones(n, dtype=bool)
+            for b in layer_blocks:
+                ge &= per_rank[b][:, s] >= per_rank[b][:, r]
+            dominated |= ge
+        kept[:, r] = (r < pp - 1) & ~dominated
+    ranks = [np.zeros(n, dtype=np.int64), pp - 1]
+    order = np.cumsum(kept, axis=1) - 1
+    for k in range(int(kept.sum(axis=1).max()) if n else 0):
+        hit = kept & (order == k)
+        ranks.append(np.where(hit.any(axis=1), hit.argmax(axis=1), 0))
+    stages = []
+    for rank in ranks:
+        counts = {b: per_rank[b][rows, rank] for b in STAGE_BLOCKS}
+        if single:
+            stages.append(Stage(float(rank[0]), {b: float(v[0]) for b, v in counts.items()}))
+        else:
+            stages.append(Stage(rank.astype(float), counts))
+    return stages
 
 
 def stage_layer_counts(arch: ArchLike, lay: LayoutLike) -> dict[str, dict[str, Values]]:
-    """Blocks held by the first and the last pipeline stage (counts as floats/arrays).
-
-    Returns {"first": {...}, "last": {...}} with keys attention, dense_ffn, moe,
-    embedding, head. With pp = 1 both are the one stage (embedding and head).
-    """
-    pp = np.asarray(lay.pp, dtype=float)
-    per_stage = np.asarray(arch.n_layers, dtype=float) / pp
-    dense = np.asarray(n_ffn_dense_layers(arch), dtype=float)
-    first_dense = np.minimum(dense, per_stage)
-    last_dense = np.clip(dense - (pp - 1.0) * per_stage, 0.0, per_stage)
-    single = pp == 1
-    return {
-        "first": {"attention": per_stage, "dense_ffn": first_dense, "moe": per_stage - first_dense,
-                  "embedding": np.ones_like(pp), "head": np.where(single, 1.0, 0.0)},
-        "last": {"attention": per_stage, "dense_ffn": last_dense, "moe": per_stage - last_dense,
-                 "embedding": np.where(single, 1.0, 0.0), "head": np.ones_like(pp)},
-    }
+    """Blocks held by the first and the last pipeline stage ({"first": counts, "last": counts},
+    keys STAGE_BLOCKS); with pp = 1 both are the one stage (embedding and head)."""
+    stages = pipeline_stages(arch, lay)
+    return {"first": stages[0].counts, "last": stages[1].counts}
 
 
 def micro_batches(lay: LayoutLike) -> Values:
@@ -56,11 +128,15 @@ def micro_batches(lay: LayoutLike) -> Values:
     return np.maximum(np.asarray(lay.gbs, dtype=float) / (np.asarray(lay.mbs, dtype=float) * lay.dp), 1.0)
 
 
-def in_flight(lay: LayoutLike, stage: str) -> Values:
-    """Micro-batches whose activations stage `first` (rank 0) or `last` holds at peak."""
+def in_flight(lay: LayoutLike, stage: Union[str, Values]) -> Values:
+    """Micro-batches whose activations pipeline rank `stage` (a rank, or `first` = 0, `last` =
+    pp - 1) holds at peak."""
     pp = np.asarray(lay.pp, dtype=float)
     vpp = np.asarray(lay.vpp, dtype=float)
-    rank = np.zeros_like(pp) if stage == "first" else pp - 1.0
+    if isinstance(stage, str):
+        rank = np.zeros_like(pp) if stage == "first" else pp - 1.0
+    else:
+        rank = np.asarray(stage, dtype=float) + 0.0 * pp
     plain = pp - rank
     interleaved = ((pp - rank - 1.0) * 2.0 + (vpp - 1.0) * pp + 1.0) / vpp
     held = np.where(vpp > 1, interleaved, plain)

@@ -2,7 +2,7 @@
 
 Per micro-batch (sums over the stage's blocks, `tables.StageBlocks`):
 - compute per category, fwd + bwd; recompute repeats the layers' forward (full)
-  or the attention core's (selective) in the backward pass.
+  or the attention core's (selective; with MLA also the up projections) in the backward pass.
 - Communication per class: tp, cp, ep from the block tables (full recompute
   repeats the layers' forward collectives); pp: vpp p2p sends of one
   micro-batch's boundary activations, b x T x h (/ tp with sequence parallel),
@@ -11,6 +11,9 @@ Per micro-batch (sums over the stage's blocks, `tables.StageBlocks`):
 - Overlap (`hide`): within each phase, communication hides behind that phase's
   overlappable compute, at most the cluster's `overlap` fraction of it, in the
   order cp (behind attention only), tp, ep, pp, FSDP; the rest is exposed.
+- Fused dispatchers (`perfmodel.dispatch`): while their calls hide under compute, that compute
+  runs on 1 - sm_fraction of the compute units, i.e. hidden x sm_fraction / (1 - sm_fraction)
+  longer.
 - Host: `HostDispatch` adds its dispatch time to the device time of both phases.
 
 Once per step (after the last micro-batch):
@@ -86,13 +89,17 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
     layer_fwd_s = sum(total(f"fwd_{cat}", LAYER_BLOCKS) for cat in CATEGORIES)
     layer_fwd_overlap_s = total("fwd_overlap", LAYER_BLOCKS)
     core_fwd_s = counts["attention"] * stage.tables["attention"]["core_fwd"]
-    recompute_s = np.where(full, layer_fwd_s, np.where(selective, core_fwd_s, 0.0))
+    # selective recompute repeats the core (and MLA's up projections, tables.py)
+    selective_fwd_s = counts["attention"] * stage.tables["attention"]["selective_fwd"]
+    selective_overlap_s = counts["attention"] * stage.tables["attention"]["selective_fwd_overlap"]
+    recompute_s = np.where(full, layer_fwd_s, np.where(selective, selective_fwd_s, 0.0))
     out["recompute"] = recompute_s
 
     fwd_compute_s = sum(total(f"fwd_{cat}") for cat in CATEGORIES)
     bwd_compute_s = sum(total(f"bwd_{cat}") for cat in CATEGORIES) + recompute_s
     fwd_window_s = total("fwd_overlap")
-    bwd_window_s = total("bwd_overlap") + np.where(full, layer_fwd_overlap_s, np.where(selective, core_fwd_s, 0.0))
+    bwd_window_s = total("bwd_overlap") + np.where(full, layer_fwd_overlap_s, np.where(selective, selective_overlap_s,
+                                                                                          0.0))
     fwd_attn_s = total("fwd_attention")
     bwd_attn_s = total("bwd_attention") + np.where(full | selective, core_fwd_s, 0.0)
 
@@ -108,6 +115,13 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
     fwd_kernels, bwd_kernels = host.phase_kernels(stage)
     fwd_device_s = fwd_compute_s + sum(exposed_s[f"fwd_{c}"] for c in HIDE_ORDER)
     bwd_device_s = bwd_compute_s + sum(exposed_s[f"bwd_{c}"] for c in HIDE_ORDER)
+    sm_fraction = stage.tables["moe"].get("ep_sm_fraction", 0.0)
+    if np.ndim(sm_fraction) or sm_fraction:
+        # a fused dispatcher's kernels hold sm_fraction of the compute units while hidden under
+        # compute: that compute runs 1 / (1 - sm_fraction) longer
+        stretch = sm_fraction / (1.0 - sm_fraction)
+        fwd_device_s = fwd_device_s + stretch * hidden_s["fwd_ep"]
+        bwd_device_s = bwd_device_s + stretch * hidden_s["bwd_ep"]
     dispatch_s = host.dispatch_s(stage, fwd_kernels, bwd_kernels, fwd_device_s, bwd_device_s, launch_latency_s,
                                  hw.share)
     out["dispatch"] = dispatch_s

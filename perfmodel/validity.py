@@ -16,8 +16,16 @@ from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import MoEArchitecture
-from perfmodel.specs.layout import ParallelLayout
+from perfmodel.specs.layout import DISPATCHERS, FUSED_DISPATCHERS, LayoutBatch, ParallelLayout
 from perfmodel.specs.protocols import ArchLike, Flag, LayoutLike
+from perfmodel.specs.stages import split_problem, stage_layer_table
+
+FUSED_CODES = [DISPATCHERS.index(d) for d in FUSED_DISPATCHERS]
+
+
+def dispatcher_code(lay: LayoutLike) -> np.ndarray:
+    value = lay.dispatcher
+    return np.asarray(DISPATCHERS.index(value) if isinstance(value, str) else value)
 
 
 def _a(x: ArrayLike) -> np.ndarray:
@@ -41,9 +49,24 @@ def cp_divides_seq(arch: ArchLike, lay: LayoutLike) -> Flag:
     return (_a(lay.cp) == 1) | (_a(arch.seq_len) % (2 * _a(lay.cp)) == 0)
 
 
-def pp_divides_layers(arch: ArchLike, lay: LayoutLike) -> Flag:
-    """Layers split evenly over pp * vpp model chunks."""
-    return _a(arch.n_layers) % (_a(lay.pp) * lay.vpp) == 0
+def _batch(lay: LayoutLike) -> LayoutBatch:
+    return LayoutBatch.stack([lay]) if isinstance(lay, ParallelLayout) else lay
+
+
+def split_fits_layers(arch: ArchLike, lay: LayoutLike) -> Flag:
+    """The pipeline split (`perfmodel.specs.stages`) gives every virtual stage >= 0 layers and
+    adds up to n_layers (Megatron's divisibility rules fail this), and a layout string holds
+    one 'm' per MTP module."""
+    batch = _batch(lay)
+    n_layers = np.atleast_1d(_a(arch.n_layers)).astype(np.int64)
+    n = max(len(batch), len(n_layers))
+    table = stage_layer_table(np.broadcast_to(n_layers, (n,)), batch)
+    stages = np.broadcast_to(np.asarray(batch.pp) * np.asarray(batch.vpp), (n,))
+    inside = np.arange(table.shape[1])[None, :] < stages[:, None]
+    ok = (table.sum(axis=1) == n_layers) & np.all(np.where(inside, table, 0.0) >= 0, axis=1)
+    mtp = np.broadcast_to(np.asarray(batch.stage_mtp), (n,))
+    ok &= (mtp < 0) | (mtp == np.broadcast_to(np.atleast_1d(_a(arch.n_mtp_layers)), (n,)))
+    return ok if not isinstance(lay, ParallelLayout) else bool(ok[0])
 
 
 def vpp_needs_pp(arch: ArchLike, lay: LayoutLike) -> Flag:
@@ -67,6 +90,13 @@ def etp_divides_expert(arch: ArchLike, lay: LayoutLike) -> Flag:
     return np.where(_a(arch.n_experts) > 0, _a(arch.d_expert) % _a(lay.etp) == 0, _a(lay.etp) == 1)
 
 
+def fused_dispatch_etp(arch: ArchLike, lay: LayoutLike) -> Flag:
+    """The fused dispatchers (deepep, hybridep) are modelled with etp = 1 (each token goes once
+    to each expert-parallel rank)."""
+    fused = np.isin(np.asarray(dispatcher_code(lay)), FUSED_CODES)
+    return ~fused | (_a(lay.etp) == 1)
+
+
 def batch_divides(arch: ArchLike, lay: LayoutLike) -> Flag:
     """gbs is a whole number of micro-batches per data-parallel rank."""
     return _a(lay.gbs) % (_a(lay.mbs) * lay.dp) == 0
@@ -81,12 +111,13 @@ RULES: tuple[tuple[str, Callable[[ArchLike, LayoutLike], Flag], str], ...] = (
     ("tp_divides_heads", tp_divides_heads, "tp={tp} must divide n_heads={n_heads} and n_kv_heads={n_kv_heads}; pick a common divisor"),
     ("tp_divides_ffn", tp_divides_ffn, "tp={tp} must divide d_ff_dense={d_ff_dense} and n_shared_experts*d_expert; pick a divisor"),
     ("cp_divides_seq", cp_divides_seq, "cp={cp}: seq_len={seq_len} must be a multiple of 2*cp; change cp or seq_len"),
-    ("pp_divides_layers", pp_divides_layers, "pp*vpp={pp}*{vpp} must divide n_layers={n_layers}; pick pp and vpp whose product divides the layers"),
+    ("split_fits_layers", split_fits_layers, "{split_problem}"),
     ("vpp_needs_pp", vpp_needs_pp, "vpp={vpp} needs pp > 1; set vpp=1 or add pipeline stages"),
     ("ep_divides_experts", ep_divides_experts, "ep={ep} must divide n_experts={n_experts} (ep=1 for a dense model); pick a divisor"),
     ("expert_folding", expert_folding, "etp*ep={etp}*{ep} must divide tp*cp*dp={tp}*{cp}*{dp} (experts fold onto the data-parallel ranks); lower ep or etp"),
     ("etp_divides_expert", etp_divides_expert, "etp={etp} must divide d_expert={d_expert} (etp=1 for a dense model)"),
     ("batch_divides", batch_divides, "gbs={gbs} must be a multiple of mbs*dp={mbs}*{dp}; change gbs or mbs"),
+    ("fused_dispatch_etp", fused_dispatch_etp, "dispatcher={dispatcher} is modelled with etp=1, got etp={etp}; set etp=1 or dispatcher=alltoall"),
 )
 
 
@@ -102,7 +133,8 @@ def violations(arch: MoEArchitecture, layout: ParallelLayout, devices: int) -> l
     """Every violated rule of one configuration, as a message naming fields and fix."""
     if layout.dp is None or layout.gbs is None:
         layout = layout.resolve(devices)
-    fields = {**{k: getattr(arch, k) for k in vars(arch)}, **{k: getattr(layout, k) for k in vars(layout)}}
+    fields = {**{k: getattr(arch, k) for k in vars(arch)}, **{k: getattr(layout, k) for k in vars(layout)},
+              "split_problem": split_problem(arch.n_layers, arch.n_mtp_layers, layout)}
     messages = []
     if not world_matches(arch, layout, devices):
         messages.append(f"world_matches: tp*cp*pp*dp={layout.world()} must equal the device count {devices}; "

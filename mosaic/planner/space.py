@@ -26,7 +26,7 @@ import numpy as np
 
 from perfmodel import layouts as perfmodel_layouts
 from perfmodel.errors import InputError
-from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
+from perfmodel.specs.architecture import CORE_ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
 from perfmodel.specs.layout import DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
 from perfmodel.specs.strict import check, load_spec, spec_from_dict
 
@@ -255,13 +255,13 @@ def geometries(resolved: ResolvedSpace) -> GeometrySet:
         "gated_ffn": np.full(h.shape, bool(geo.gated_ffn)), "tie_embeddings": np.full(h.shape, bool(geo.tie_embeddings)),
     }
     cols = {k: (v.astype(np.int64) if k not in ("ffn_ratio", "gated_ffn", "tie_embeddings") else v) for k, v in cols.items()}
-    archs = ArchBatch(**{name: cols[name] for name in ARCH_FIELDS})
+    archs = ArchBatch(**{name: cols[name] for name in CORE_ARCH_FIELDS})  # no MLA / MTP in the space
     n_act = active_params(archs)
     lo, hi = resolved.active_params_range
     ok &= (n_act >= lo) & (n_act <= hi)
     # Dense rows were collapsed: drop exact duplicates.
     keep = np.flatnonzero(ok)
-    stacked = np.stack([np.asarray(cols[name], dtype=float)[keep] for name in ARCH_FIELDS], axis=1)
+    stacked = np.stack([np.asarray(cols[name], dtype=float)[keep] for name in CORE_ARCH_FIELDS], axis=1)
     _, first = np.unique(stacked, axis=0, return_index=True)
     keep = keep[np.sort(first)]
     return GeometrySet(archs.take(keep), gran[keep])
