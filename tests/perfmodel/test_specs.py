@@ -174,7 +174,7 @@ def test_layout_resolve_rejects_device_count_not_divisible():
         ("tp=3", 3, "tp_divides_heads"),
         ("ep=3,dp=3", 3, "ep_divides_experts"),
         ("ep=8,dp=4", 4, "expert_folding"),
-        ("pp=3,dp=1,account_embedding=true", 3, "split_fits_layers"),
+        ("pp=3,dp=1,account_embedding=true,account_loss=true", 3, "split_fits_layers"),
         ("vpp=2", 1, "vpp_needs_pp"),
         ("dp=2,mbs=2,gbs=6", 2, "batch_divides"),
         ("dp=2", 4, "world_matches"),
