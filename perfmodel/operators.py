@@ -758,4 +758,5 @@ def eager_trainer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]
         "embedding": megatron("embedding") + [tp("eager_tp_embedding_fwd", "embedding", "all_reduce", "fwd", hidden)],
         "head": megatron("head") + [tp("eager_tp_logits_fwd", "head", "all_gather", "fwd", logits),
                                     tp("eager_tp_head_bwd", "head", "all_reduce", "bwd", hidden)],
+        **({"mtp": megatron("mtp")} if "mtp" in base else {}),
     }

@@ -59,7 +59,8 @@ def rank_block_counts(arch: ArchLike, lay: LayoutLike) -> dict[str, np.ndarray]:
     n_layers = np.atleast_1d(np.asarray(arch.n_layers)).astype(np.int64)
     n = max(len(batch), len(n_layers))
     n_layers = np.broadcast_to(n_layers, (n,))
-    table = stage_layer_table(n_layers, batch)  # (n, W) layers per virtual stage
+    # (n, W) layers per virtual stage; a split that does not fit (invalid_layout) is clipped at 0
+    table = np.maximum(stage_layer_table(n_layers, batch), 0.0)
     dense_total = np.broadcast_to(np.atleast_1d(np.asarray(n_ffn_dense_layers(arch), dtype=float)), (n,))
     starts = np.cumsum(table, axis=1) - table
     dense_table = np.clip(dense_total[:, None] - starts, 0.0, table)
