@@ -45,9 +45,10 @@ from perfmodel.hardware import HardwareView
 from perfmodel.host import HostDispatch, host_dispatch
 from perfmodel.inputs import as_float, broadcast_inputs
 from perfmodel.memory import memory_per_device
+from perfmodel.memory import stage_params as memory_stage_params
 from perfmodel.result import BREAKDOWN_KEYS, HIDDEN_COMPONENTS, REASONS, STEP_COMPONENTS, EvalResult
 from perfmodel.operators import shapes
-from perfmodel.schedule import bubble_slots, micro_batches, pipeline_stages, straggler_factor
+from perfmodel.schedule import Stage, bubble_slots, micro_batches, pipeline_stages, straggler_factor
 from perfmodel.specs.architecture import ArchBatch, MoEArchitecture, model_flops_per_token, n_moe_layers
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LayoutBatch, ParallelLayout
@@ -77,21 +78,41 @@ def evaluate(archs: Union[MoEArchitecture, ArchBatch], layouts: Union[ParallelLa
 
 
 def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, host: HostDispatch,
-                    devices: np.ndarray) -> EvalResult:
-    arch, lay = as_float(arch), as_float(lay)
+                    devices: np.ndarray, pipeline: Optional[list[Stage]] = None) -> EvalResult:
+    if pipeline is None:
+        arch, lay = as_float(arch), as_float(lay)
+        pipeline = pipeline_stages(arch, lay)
+        if len(pipeline) > 2:
+            # The stages are priced batch-wide: candidates with only a first and a last stage (even
+            # splits) are evaluated apart from those with middle stages (every candidate's numbers
+            # are its own either way), so a few uneven ones do not triple the work of the rest.
+            middle = np.zeros(len(devices), dtype=bool)
+            for stage in pipeline[2:]:
+                middle |= np.asarray(stage.rank) != 0
+            if 0 < middle.sum() < len(devices):
+                parts, index = [], []
+                for rows, stages in ((np.flatnonzero(~middle), pipeline[:2]), (np.flatnonzero(middle), pipeline)):
+                    sub = [Stage(st.rank[rows], {b: v[rows] for b, v in st.counts.items()}, st.timed) for st in stages]
+                    parts.append(_evaluate_chunk(arch.take(rows), lay.take(rows), cluster, host, devices[rows], sub))
+                    index.append(rows)
+                order = np.argsort(np.concatenate(index), kind="stable")
+                return EvalResult.concat(parts).take(order)
     hw = HardwareView(cluster, lay, host.core_share(devices))
     pricer = CollectivePricer(cluster, lay, hw.share)
     tables = shared_block_tables(arch, lay, cluster, devices, host.block_comms, pricer, hw)
-    pipeline = pipeline_stages(arch, lay)
     m = micro_batches(lay)
     slots = bubble_slots(lay)
     stages: list[StageTimes] = []
     params: list[StageParams] = []
     for stage in pipeline:
+        if not stage.timed:  # a middle rank a later one outweighs: memory only
+            params.append(memory_stage_params(arch, lay, stage.counts))
+            continue
         st, stage_params = stage_times(StageBlocks(arch, lay, tables, stage.counts), cluster.overlap, hw, pricer, host)
         st["step"] = (m + slots) * st["micro_batch"] + st["dp_step_exposed"] + st["optimizer"]
         stages.append(st)
         params.append(stage_params)
+    timed_ranks = [stage.rank for stage in pipeline if stage.timed]
     slowest = np.zeros(len(devices), dtype=np.int64)  # ties go to the earlier stage (the first)
     slowest_step = stages[0]["step"]
     for i in range(1, len(stages)):
@@ -163,7 +184,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         devices=np.asarray(devices, dtype=float).astype(np.int64),
         micro_batches=np.asarray(m, dtype=float),
         bottleneck_stage=np.minimum(slowest, 2),
-        bottleneck_rank=_choose([st.rank for st in pipeline], slowest).astype(np.int64),
+        bottleneck_rank=_choose(timed_ranks, slowest).astype(np.int64),
         dropped_fraction=np.broadcast_to(np.asarray(shapes(arch, lay)["drop"], dtype=float), (len(devices),)).copy(),
     )
 

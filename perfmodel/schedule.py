@@ -51,69 +51,128 @@ class Stage:
     """Pipeline rank (0 = first)."""
     counts: dict[str, Values]
     """Blocks it holds, by STAGE_BLOCKS (layers for attention/dense_ffn/moe)."""
+    timed: bool = True
+    """Whether its time is priced: False for a middle rank some later rank outweighs in every
+    block (never the slowest, but it holds more in-flight micro-batches: its memory counts)."""
+
+
+_LAYER_BLOCKS = ("attention", "dense_ffn", "moe")
+
+
+def _simple_rows(arch: ArchLike, batch: LayoutBatch, n: int) -> np.ndarray:
+    """Candidates with the default even split whose dense layers all sit in virtual stage 0:
+    their ranks are known in closed form (rank 0: L/pp layers, its dense ones; the others L/pp MoE)."""
+    n_layers = np.broadcast_to(np.atleast_1d(np.asarray(arch.n_layers, dtype=np.int64)), (n,))
+    stages = np.broadcast_to(np.asarray(batch.pp, dtype=np.int64) * np.asarray(batch.vpp, dtype=np.int64), (n,))
+    dense = np.broadcast_to(np.atleast_1d(np.asarray(n_ffn_dense_layers(arch), dtype=np.int64)), (n,))
+    default = ((np.asarray(batch.stage_layers)[:, 0] < 0) & (np.asarray(batch.first_stage_layers) < 0)
+               & (np.asarray(batch.last_stage_layers) < 0) & ~np.asarray(batch.account_embedding, dtype=bool)
+               & ~np.asarray(batch.account_loss, dtype=bool) & ~np.asarray(batch.balanced_split, dtype=bool))
+    default = np.broadcast_to(default, (n,))
+    return default & (n_layers % stages == 0) & (dense <= n_layers // stages)
 
 
 def rank_block_counts(arch: ArchLike, lay: LayoutLike) -> dict[str, np.ndarray]:
-    """(n, max pp) arrays: the blocks each pipeline rank holds (0 beyond a candidate's pp)."""
+    """(n, max pp) arrays: the layers (attention, dense_ffn, moe) each pipeline rank holds (0 beyond
+    a candidate's pp); rank 0 also holds the embedding, rank pp - 1 the head and the MTP modules."""
     batch = lay if isinstance(lay, LayoutBatch) else LayoutBatch.stack([lay])
     n_layers = np.atleast_1d(np.asarray(arch.n_layers)).astype(np.int64)
     n = max(len(batch), len(n_layers))
     n_layers = np.broadcast_to(n_layers, (n,))
-    # (n, W) layers per virtual stage; a split that does not fit (invalid_layout) is clipped at 0
-    table = np.maximum(stage_layer_table(n_layers, batch), 0.0)
     dense_total = np.broadcast_to(np.atleast_1d(np.asarray(n_ffn_dense_layers(arch), dtype=float)), (n,))
-    starts = np.cumsum(table, axis=1) - table
-    dense_table = np.clip(dense_total[:, None] - starts, 0.0, table)
     pp = np.broadcast_to(np.asarray(batch.pp, dtype=np.int64), (n,))
+    stages = pp * np.broadcast_to(np.asarray(batch.vpp, dtype=np.int64), (n,))
     width_ranks = int(pp.max()) if n else 1
     attention = np.zeros((n, width_ranks))
     dense = np.zeros((n, width_ranks))
-    for p in np.unique(pp):  # virtual stage j = c * pp + r: fold the chunks of each rank
-        rows = np.flatnonzero(pp == p)
-        chunks = -(-table.shape[1] // p)
-        pad = chunks * p - table.shape[1]
-        t = np.pad(table[rows], ((0, 0), (0, pad))).reshape(len(rows), chunks, p).sum(axis=1)
-        d = np.pad(dense_table[rows], ((0, 0), (0, pad))).reshape(len(rows), chunks, p).sum(axis=1)
-        attention[rows, :p] = t
-        dense[rows, :p] = d
     r = np.arange(width_ranks)[None, :]
-    last = (pp - 1)[:, None]
-    mtp = np.broadcast_to(np.atleast_1d(np.asarray(arch.n_mtp_layers, dtype=float)), (n,))
-    return {"attention": attention, "dense_ffn": dense, "moe": attention - dense,
-            "embedding": np.where(r == 0, 1.0, 0.0) * np.ones((n, 1)), "head": np.where(r == last, 1.0, 0.0),
-            "mtp": np.where(r == last, mtp[:, None], 0.0)}
+    simple = _simple_rows(arch, batch, n)
+    if simple.all():
+        attention = np.where(r < pp[:, None], (n_layers // pp).astype(float)[:, None], 0.0)
+        dense[:, 0] = dense_total
+    elif simple.any():
+        rows = np.flatnonzero(simple)
+        per_rank = (n_layers[rows] // pp[rows]).astype(float)
+        attention[rows] = np.where(r < pp[rows, None], per_rank[:, None], 0.0)
+        dense[rows, 0] = dense_total[rows]
+    rest = ~simple
+    # (n, W) layers per virtual stage; a split that does not fit (invalid_layout) is clipped at 0
+    table = np.maximum(stage_layer_table(n_layers[rest], batch.take(np.flatnonzero(rest))), 0.0) \
+        if rest.any() else np.zeros((0, 1))
+    at = np.flatnonzero(rest)
+    for p in np.unique(pp[rest]):  # virtual stage j = c * pp + r: fold the chunks of each rank
+        local = np.flatnonzero(pp[rest] == p)
+        rows = at[local]
+        width = int(stages[rows].max())
+        t = table[local, :width]
+        starts = np.cumsum(t, axis=1) - t
+        d = np.clip(dense_total[rows, None] - starts, 0.0, t)
+        chunks = -(-width // p)
+        pad = ((0, 0), (0, chunks * p - width))
+        attention[rows, :p] = np.pad(t, pad).reshape(len(rows), chunks, p).sum(axis=1)
+        dense[rows, :p] = np.pad(d, pad).reshape(len(rows), chunks, p).sum(axis=1)
+    return {"attention": attention, "dense_ffn": dense, "moe": attention - dense}
 
 
 def pipeline_stages(arch: ArchLike, lay: LayoutLike) -> list[Stage]:
-    """The stages `evaluate` prices (module doc): [rank 0, rank pp-1, undominated middle ranks...],
-    padded with rank 0 where a candidate has fewer. One configuration gives floats."""
+    """The stages `evaluate` prices (module doc): [rank 0, rank pp-1, the middle ranks no other
+    rank outweighs (timed), the other middle ranks no earlier rank outweighs (memory only)],
+    padded with rank 0 where a candidate has fewer. Equal ranks count once (the earliest in that
+    order). One configuration gives floats."""
     single = isinstance(lay, ParallelLayout)
-    per_rank = rank_block_counts(arch, lay)
+    batch = lay if isinstance(lay, LayoutBatch) else LayoutBatch.stack([lay])
+    per_rank = rank_block_counts(arch, batch)
     n, width = per_rank["attention"].shape
     pp = np.broadcast_to(np.asarray(lay.pp, dtype=np.int64), (n,))
-    rows = np.arange(n)
+    timed = np.zeros((n, width), dtype=bool)
     kept = np.zeros((n, width), dtype=bool)
-    layer_blocks = ("attention", "dense_ffn", "moe")
-    for r in range(1, width - 1):
-        dominated = np.zeros(n, dtype=bool)
-        for s in range(r):
-            ge = np.ones(n, dtype=bool)
-            for b in layer_blocks:
-                ge &= per_rank[b][:, s] >= per_rank[b][:, r]
-            dominated |= ge
-        kept[:, r] = (r < pp - 1) & ~dominated
-    ranks = [np.zeros(n, dtype=np.int64), pp - 1]
-    order = np.cumsum(kept, axis=1) - 1
-    for k in range(int(kept.sum(axis=1).max()) if n else 0):
-        hit = kept & (order == k)
-        ranks.append(np.where(hit.any(axis=1), hit.argmax(axis=1), 0))
+    simple = _simple_rows(arch, batch, n)
+    if width > 2:
+        # closed form: rank 1 (no dense layer, as many layers) is outweighed by the last rank in
+        # time, and held apart in memory when rank 0 has dense layers; later middles equal rank 1
+        kept[:, 1] = simple & (pp > 2) & (per_rank["dense_ffn"][:, 0] > 0)
+    for p in np.unique(pp[~simple]):
+        if p < 3:
+            continue
+        rows = np.flatnonzero((pp == p) & ~simple)
+        blocks = [per_rank[b][rows, :p] for b in _LAYER_BLOCKS]
+        for r in range(1, p - 1):
+            earlier = np.zeros(len(rows), dtype=bool)   # outweighed by an earlier rank: memory too
+            anyone = np.zeros(len(rows), dtype=bool)    # by any rank (equal: the earlier one wins): time
+            for q in range(p):
+                if q == r:
+                    continue
+                ge = blocks[0][:, q] >= blocks[0][:, r]
+                gt = blocks[0][:, q] > blocks[0][:, r]
+                for blk in blocks[1:]:
+                    ge &= blk[:, q] >= blk[:, r]
+                    gt |= blk[:, q] > blk[:, r]
+                if q < r:
+                    earlier |= ge
+                anyone |= ge & (gt | (q < r) | (q == p - 1))
+            kept[rows, r] = ~earlier
+            timed[rows, r] = ~anyone
+    memory_only = kept & ~timed
+    rows_all = np.arange(n)
+    ranks: list[tuple[np.ndarray, bool]] = [(np.zeros(n, dtype=np.int64), True), (pp - 1, True)]
+    for mask, is_timed in ((timed, True), (memory_only, False)):
+        order = np.cumsum(mask, axis=1) - 1
+        for k in range(int(mask.sum(axis=1).max()) if n else 0):
+            hit = mask & (order == k)
+            ranks.append((np.where(hit.any(axis=1), hit.argmax(axis=1), 0), is_timed))
     stages = []
-    for rank in ranks:
-        counts = {b: per_rank[b][rows, rank] for b in STAGE_BLOCKS}
+    flat = {b: per_rank[b].ravel() for b in _LAYER_BLOCKS}
+    mtp = np.broadcast_to(np.atleast_1d(np.asarray(arch.n_mtp_layers, dtype=float)), (n,))
+    for rank, is_timed in ranks:
+        at = rows_all * width + rank
+        counts = {b: flat[b].take(at) for b in _LAYER_BLOCKS}
+        last = rank == pp - 1
+        counts.update(embedding=np.where(rank == 0, 1.0, 0.0), head=np.where(last, 1.0, 0.0),
+                      mtp=np.where(last, mtp, 0.0))
         if single:
-            stages.append(Stage(float(rank[0]), {b: float(v[0]) for b, v in counts.items()}))
+            stages.append(Stage(float(rank[0]), {b: float(v[0]) for b, v in counts.items()}, is_timed))
         else:
-            stages.append(Stage(rank.astype(float), counts))
+            stages.append(Stage(rank.astype(float), counts, is_timed))
     return stages
 
 

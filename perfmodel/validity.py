@@ -58,12 +58,22 @@ def split_fits_layers(arch: ArchLike, lay: LayoutLike) -> Flag:
     adds up to n_layers (Megatron's divisibility rules fail this), and a layout string holds
     one 'm' per MTP module."""
     batch = _batch(lay)
-    n_layers = np.atleast_1d(_a(arch.n_layers)).astype(np.int64)
-    n = max(len(batch), len(n_layers))
-    table = stage_layer_table(np.broadcast_to(n_layers, (n,)), batch)
-    stages = np.broadcast_to(np.asarray(batch.pp) * np.asarray(batch.vpp), (n,))
-    inside = np.arange(table.shape[1])[None, :] < stages[:, None]
-    ok = (table.sum(axis=1) == n_layers) & np.all(np.where(inside, table, 0.0) >= 0, axis=1)
+    n_layers = np.broadcast_to(np.atleast_1d(_a(arch.n_layers)).astype(np.int64), (max(len(batch), np.size(arch.n_layers)),))
+    n = len(n_layers)
+    if len(batch) != n:  # one layout for many architectures
+        batch = batch.take(np.zeros(n, dtype=np.int64))
+    stages = np.broadcast_to(np.asarray(batch.pp, dtype=np.int64) * np.asarray(batch.vpp, dtype=np.int64), (n,))
+    default = np.broadcast_to(
+        (np.asarray(batch.stage_layers)[:, 0] < 0) & (np.asarray(batch.first_stage_layers) < 0)
+        & (np.asarray(batch.last_stage_layers) < 0) & ~np.asarray(batch.account_embedding, dtype=bool)
+        & ~np.asarray(batch.account_loss, dtype=bool) & ~np.asarray(batch.balanced_split, dtype=bool), (n,))
+    ok = default & (n_layers % stages == 0)  # the even split always fits
+    rest = np.flatnonzero(~ok)
+    if len(rest):
+        table = stage_layer_table(n_layers[rest], batch.take(rest))
+        inside = np.arange(table.shape[1])[None, :] < stages[rest][:, None]
+        ok = ok.copy()
+        ok[rest] = (table.sum(axis=1) == n_layers[rest]) & np.all(np.where(inside, table, 0.0) >= 0, axis=1)
     mtp = np.broadcast_to(np.asarray(batch.stage_mtp), (n,))
     ok &= (mtp < 0) | (mtp == np.broadcast_to(np.atleast_1d(_a(arch.n_mtp_layers)), (n,)))
     return ok if not isinstance(lay, ParallelLayout) else bool(ok[0])

@@ -260,7 +260,8 @@ def attention_params_per_layer(arch: ArchLike) -> Values:
     h_q = np.asarray(arch.n_heads) * arch.head_dim
     h_kv = np.asarray(arch.n_kv_heads) * arch.head_dim
     mha = np.asarray(arch.d_model) * (h_q + 2 * h_kv) + h_q * arch.d_model
-    return np.where(uses_mla(arch), mla_attention_params(arch), mha)
+    mla = uses_mla(arch)
+    return np.where(mla, mla_attention_params(arch), mha) if np.any(mla) else mha
 
 
 def expert_params(arch: ArchLike) -> Values:
@@ -350,14 +351,19 @@ def attention_flops_per_token(arch: ArchLike, layers: Any = None) -> Values:
     `layers` defaults to n_layers."""
     layers = np.asarray(arch.n_layers) if layers is None else layers
     mha = 12.0 * layers * arch.seq_len * np.asarray(arch.n_heads) * arch.head_dim
+    on = uses_mla(arch)
+    if not np.any(on):
+        return mha
     mla = 6.0 * layers * arch.seq_len * np.asarray(arch.n_heads) * (np.asarray(arch.head_dim) + arch.v_head_dim)
-    return np.where(uses_mla(arch), mla, mha)
+    return np.where(on, mla, mha)
 
 
 def mtp_flops_per_token(arch: ArchLike) -> Values:
     """Model FLOPs of the multi-token prediction modules (Megatron's convention): 6 x their active
     parameters, their LM-head logits 6*h*V each, their attention."""
     n_mtp = np.asarray(arch.n_mtp_layers)
+    if not np.any(n_mtp > 0):
+        return np.zeros(np.shape(n_mtp)) if np.ndim(n_mtp) else 0.0
     lm_head = 6.0 * np.asarray(arch.d_model) * arch.vocab_size
     return np.where(n_mtp > 0, 6.0 * mtp_params(arch, active=True) + n_mtp * lm_head
                     + attention_flops_per_token(arch, n_mtp), 0.0)

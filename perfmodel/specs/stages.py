@@ -201,53 +201,57 @@ def uses_default_split(lay: Any) -> bool:
 
 def stage_layer_table(n_layers: np.ndarray, batch: Any) -> np.ndarray:
     """(n, max pp*vpp) float array of each candidate's virtual-stage layer counts in layer order,
-    0 beyond its own pp*vpp stages (the batch form of `virtual_stage_layers`)."""
+    0 beyond its own pp*vpp stages (the batch form of `virtual_stage_layers`). Each rule fills
+    only its own rows, the balanced one once per distinct (L, pp, vpp)."""
     n_layers = np.asarray(n_layers, dtype=np.int64)
     pp = np.asarray(batch.pp, dtype=np.int64)
     vpp = np.asarray(batch.vpp, dtype=np.int64)
-    stages = pp * vpp
-    width = int(stages.max()) if stages.size else 1
-    j = np.arange(width)[None, :]
-    inside = j < stages[:, None]
+    stages = np.maximum(pp * vpp, 1)
+    n = len(pp)
+    width = int(stages.max()) if n else 1
+    out = np.zeros((n, width), dtype=np.int64)
     first = np.asarray(batch.first_stage_layers, dtype=np.int64)
     last = np.asarray(batch.last_stage_layers, dtype=np.int64)
     acc_e = np.asarray(batch.account_embedding, dtype=bool).astype(np.int64)
     acc_l = np.asarray(batch.account_loss, dtype=bool).astype(np.int64)
     balanced = np.asarray(batch.balanced_split, dtype=bool)
-    layout_rows = np.asarray(batch.stage_layers)[:, 0] >= 0
+    layout = np.asarray(batch.stage_layers)
+    layout_rows = layout[:, 0] >= 0
     firstlast = ((first >= 0) | (last >= 0)) & ~layout_rows
     account = ((acc_e + acc_l) > 0) & ~layout_rows & ~firstlast
-    even = ~layout_rows & ~firstlast & ~account & ~balanced & (n_layers % np.maximum(stages, 1) == 0)
-    out = np.zeros((len(pp), width), dtype=np.int64)
-    # even
-    out = np.where(even[:, None] & inside, (n_layers // np.maximum(stages, 1))[:, None], out)
-    # account-for embedding / loss
-    per = (n_layers + acc_e + acc_l) // np.maximum(stages, 1)
-    acc = np.where(inside, per[:, None], 0)
-    acc[:, 0] -= acc_e
-    acc[np.arange(len(pp)), np.maximum(stages - 1, 0)] -= acc_l
-    out = np.where(account[:, None], acc, out)
-    # first / last rank counts
-    rank = j % np.maximum(pp, 1)[:, None]
-    given = (first >= 0).astype(np.int64) + (last >= 0).astype(np.int64)
-    middle_ranks = pp - given
-    rest = n_layers - np.maximum(first, 0) - np.maximum(last, 0)
-    per_middle = np.where(middle_ranks > 0, rest // np.maximum(middle_ranks, 1), 0)
-    rank_layers = np.where((rank == 0) & (first >= 0)[:, None], first[:, None],
-                           np.where((rank == (pp - 1)[:, None]) & (last >= 0)[:, None], last[:, None],
-                                    per_middle[:, None]))
-    out = np.where(firstlast[:, None] & inside, rank_layers // vpp[:, None], out)
-    # explicit layout strings (given per row by the batch) and the balanced rule (per distinct (L, pp, vpp))
-    layout = np.asarray(batch.stage_layers)
+    plain = ~layout_rows & ~firstlast & ~account
+    even = plain & ~balanced & (n_layers % stages == 0)
+    j = np.arange(width)[None, :]
+    for s_value in np.unique(stages[even]):
+        rows = np.flatnonzero(even & (stages == s_value))
+        out[rows, :s_value] = (n_layers[rows] // s_value)[:, None]
+    rows = np.flatnonzero(account)
+    if len(rows):
+        per = (n_layers[rows] + acc_e[rows] + acc_l[rows]) // stages[rows]
+        block = np.where(j < stages[rows][:, None], per[:, None], 0)
+        block[:, 0] -= acc_e[rows]
+        block[np.arange(len(rows)), stages[rows] - 1] -= acc_l[rows]
+        out[rows] = block
+    rows = np.flatnonzero(firstlast)
+    if len(rows):
+        p, v = pp[rows][:, None], vpp[rows][:, None]
+        f, la = first[rows][:, None], last[rows][:, None]
+        middle_ranks = p - (f >= 0) - (la >= 0)
+        rest = n_layers[rows][:, None] - np.maximum(f, 0) - np.maximum(la, 0)
+        per_middle = np.where(middle_ranks > 0, rest // np.maximum(middle_ranks, 1), 0)
+        rank = j % p
+        rank_layers = np.where((rank == 0) & (f >= 0), f, np.where((rank == p - 1) & (la >= 0), la, per_middle))
+        out[rows] = np.where(j < stages[rows][:, None], rank_layers // v, 0)
     if layout_rows.any():
-        out[layout_rows, :layout.shape[1]] = np.where(layout[layout_rows] >= 0, layout[layout_rows], 0)[:, :width]
-    rest_rows = ~layout_rows & ~firstlast & ~account & ~even
+        w = min(layout.shape[1], width)
+        out[layout_rows, :w] = np.maximum(layout[layout_rows, :w], 0)
+    rest_rows = plain & ~even
     if rest_rows.any():
         keys = np.stack([n_layers[rest_rows], pp[rest_rows], vpp[rest_rows]], axis=1)
         uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
         table = np.zeros((len(uniq), width), dtype=np.int64)
-        for u, (L, p, v) in enumerate(uniq):
-            counts = balanced_stage_layers(int(L), int(p), int(v))
+        for u, (L, p_, v_) in enumerate(uniq):
+            counts = balanced_stage_layers(int(L), int(p_), int(v_))
             table[u, :len(counts)] = counts
         out[rest_rows] = table[inverse.ravel()]
     return out.astype(float)
