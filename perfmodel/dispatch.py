@@ -235,6 +235,23 @@ def cluster_figures(cluster_name: str, rows: Optional[Sequence[Mapping[str, str]
     return out
 
 
+def dispatcher_problem(cluster: ClusterSpec, layout: LayoutLike) -> Optional[str]:
+    """Why `cluster` cannot price the layout's fused dispatcher (a one-line message naming the
+    field and the fix), or None: its EP group must span a fabric level with figures."""
+    name = layout.dispatcher
+    if name not in FUSED_DISPATCHERS or int(layout.ep) <= 1:
+        return None
+    levels = group_levels(cluster, float(layout.ep), float(layout.etp))
+    spanned = [level.name for level, (_, _, fan, _, _) in zip(cluster.levels, levels) if float(fan) > 1.0]
+    have = cluster.ep_dispatch.get(name, {})
+    if spanned and spanned[-1] in have:
+        return None
+    measured = ", ".join(f"{d} on {'/'.join(v)}" for d, v in cluster.ep_dispatch.items()) or "none"
+    return (f"layout: dispatcher={name}: cluster '{cluster.name}' has no measured {name} figures for its "
+            f"'{spanned[-1] if spanned else '?'}' level, which the ep={layout.ep} group spans (ep_dispatch: "
+            f"{measured}); use dispatcher=alltoall or allgather, or an ep within a measured level")
+
+
 # ---------------------------------------------------------------------------
 # Prices
 
@@ -366,4 +383,5 @@ if __name__ == "__main__":
 
 
 __all__ = ["CLUSTER_SPANS", "COMPUTE_UNITS", "FusedDispatchTimes", "cluster_figures", "derive_figures",
+           "dispatcher_problem",
            "fused_dispatch_times", "load_measurements"]

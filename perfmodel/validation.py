@@ -69,7 +69,7 @@ from perfmodel.specs.layout import (
     LayoutBatch,
     ParallelLayout,
 )
-from perfmodel.specs.stages import format_pp_layout, uses_default_split, virtual_stage_layers
+from perfmodel.specs.stages import describe_split
 from perfmodel.validity import violations
 
 MEASURES = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu")
@@ -382,7 +382,7 @@ def compare(
                 "devices": run.devices,
                 "precision": run.layout.precision,
                 "layout": run.layout.to_string(),
-                "pipeline_split": pipeline_split_text(run.arch, run.layout),
+                "pipeline_split": describe_split(run.arch.n_layers, run.arch.n_mtp_layers, run.layout),
                 "measure": run.measure,
                 "value": run.value,
                 "measured_step_time_s": measured,
@@ -402,18 +402,6 @@ def compare(
     order = {run.run_id: k for k, run in enumerate(runs)}
     frame = pd.DataFrame(frames)
     return frame.sort_values("run_id", key=lambda col: col.map(order)).reset_index(drop=True)
-
-
-def pipeline_split_text(arch: MoEArchitecture, layout: ParallelLayout) -> str:
-    """The layers of each virtual stage as a Megatron layout string ('' without a pipeline), with
-    ' (balanced default)' where pp*vpp does not divide the layers and the layout gives no split."""
-    if layout.pp == 1:
-        return ""
-    counts = virtual_stage_layers(arch.n_layers, layout)
-    text = format_pp_layout(counts, arch.n_mtp_layers)
-    if uses_default_split(layout) and arch.n_layers % (layout.pp * layout.vpp):
-        text += " (balanced default)"
-    return text
 
 
 def summarize(frame: pd.DataFrame) -> dict[str, Any]:

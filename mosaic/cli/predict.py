@@ -85,7 +85,7 @@ def plot_breakdown(rows: list[dict[str, Any]], labels: list[str], path: Path, ti
     plt.close(fig)
 
 
-def _summary_table(row: dict[str, Any], usable_hbm: float, title: str) -> Table:
+def _summary_table(row: dict[str, Any], usable_hbm: float, title: str, split: str = "") -> Table:
     table = Table(title=title, show_header=False)
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -98,7 +98,12 @@ def _summary_table(row: dict[str, Any], usable_hbm: float, title: str) -> Table:
     table.add_row("memory per device", f"{_gb(row['memory_per_device_bytes'])} of {_gb(usable_hbm)} usable")
     table.add_row("devices", str(row["devices"]))
     table.add_row("micro-batches per step (m)", f"{row['micro_batches']:g}")
-    table.add_row("slowest pipeline stage", row["bottleneck_stage"])
+    table.add_row("slowest pipeline stage", f"{row['bottleneck_stage']} (rank {row.get('bottleneck_rank', 0)})"
+                  if row["bottleneck_stage"] == "middle" else row["bottleneck_stage"])
+    if split:
+        table.add_row("pipeline split (layers per virtual stage)", split)
+    if row.get("dropped_fraction"):
+        table.add_row("routed tokens dropped (capacity factor)", f"{row['dropped_fraction']:.2%}")
     return table
 
 
@@ -153,9 +158,11 @@ def predict(
 ) -> None:
     """Predict step time, tokens/s, MFU and memory of a model and layout on a cluster."""
     from perfmodel.clusters import load_cluster
+    from perfmodel.dispatch import dispatcher_problem
     from perfmodel.evaluate import evaluate
     from perfmodel.specs.architecture import MoEArchitecture
     from perfmodel.specs.layout import PRECISIONS, parse_layout
+    from perfmodel.specs.stages import describe_split
     from perfmodel.specs.strict import load_spec
     from perfmodel.validity import violations
 
@@ -222,15 +229,19 @@ def predict(
     problems = violations(arch, lay, n)
     if problems:
         raise InputError("invalid layout: " + "; ".join(problems))
+    problem = dispatcher_problem(spec, lay)
+    if problem:
+        raise InputError(problem)
     row = evaluate(arch, lay, spec, n).row(0)
-    payload = {"cluster": spec.name, "model": str(model), "layout": _layout_dict(lay), **row}
+    split = describe_split(arch.n_layers, arch.n_mtp_layers, lay)
+    payload = {"cluster": spec.name, "model": str(model), "layout": _layout_dict(lay), "pipeline_split": split, **row}
     if plot is not None:
         plot_breakdown([row], [lay.label()], plot, f"{model.stem} on {spec.name} ({n} devices)")
     if json_output:
         print_json(payload)
     else:
         console.print(_summary_table(row, spec.accelerator.usable_hbm_bytes,
-                                     f"{model.stem} on {spec.name}\n{lay.label()}"))
+                                     f"{model.stem} on {spec.name}\n{lay.label()}", split))
         console.print(_breakdown_table(row))
         console.print(_memory_table(row))
         if plot is not None:

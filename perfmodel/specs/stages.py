@@ -193,6 +193,18 @@ def split_problem(n_layers: int, n_mtp: int, lay: Any) -> Optional[str]:
     return None
 
 
+def describe_split(n_layers: int, n_mtp: int, lay: Any) -> str:
+    """The layers of each virtual stage as a Megatron layout string ('' without a pipeline),
+    ending ' (balanced: pp*vpp does not divide n_layers)' where the layout gives no split of its
+    own and the balanced default applies: the resolved split, stated in outputs."""
+    if lay.pp == 1:
+        return ""
+    text = format_pp_layout(virtual_stage_layers(n_layers, lay), n_mtp)
+    if uses_default_split(lay) and n_layers % (lay.pp * lay.vpp):
+        text += f" (balanced: pp*vpp={lay.pp * lay.vpp} does not divide n_layers={n_layers})"
+    return text
+
+
 def uses_default_split(lay: Any) -> bool:
     """The layout gives no split of its own (even, or balanced when pp*vpp does not divide L)."""
     return (not lay.pp_layout and lay.first_stage_layers is None and lay.last_stage_layers is None
@@ -257,5 +269,5 @@ def stage_layer_table(n_layers: np.ndarray, batch: Any) -> np.ndarray:
     return out.astype(float)
 
 
-__all__ = ["balanced_stage_layers", "format_pp_layout", "parse_pp_layout", "pp_layout_counts", "split_problem",
+__all__ = ["balanced_stage_layers", "describe_split", "format_pp_layout", "parse_pp_layout", "pp_layout_counts", "split_problem",
            "stage_layer_table", "uses_default_split", "virtual_stage_layers"]
