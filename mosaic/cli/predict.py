@@ -144,9 +144,13 @@ def _layout_dict(layout: Any) -> dict[str, Any]:
 
 @cli_errors
 def predict(
-    cluster: str = typer.Option(..., "--cluster", help="Bundled cluster name or a cluster YAML path."),
-    model: Path = typer.Option(..., "--model", help="Model YAML (version: 1 + the MoEArchitecture keys)."),
-    layout: str = typer.Option(..., "--layout", help='e.g. "tp=2,ep=8,pp=4,mbs=1,gbs=1024", or "best" to search.'),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Bundled cluster name or a cluster YAML path "
+                                          "(with --plan: default the plan's cluster)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Model YAML (version: 1 + the MoEArchitecture keys)."),
+    layout: Optional[str] = typer.Option(None, "--layout", help='e.g. "tp=2,ep=8,pp=4,mbs=1,gbs=1024", or "best" '
+                                         "to search."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="A plan YAML: its model, resolved layout, devices "
+                                             "and cluster instead of --model/--layout/--devices."),
     devices: Optional[int] = typer.Option(None, "--devices", help="Devices when the layout has no dp "
                                           "(default: the cluster's count, also the upper bound)."),
     gbs: Optional[int] = typer.Option(None, "--gbs", help="Global batch (sequences) for --layout best "
@@ -166,8 +170,26 @@ def predict(
     from perfmodel.specs.strict import load_spec
     from perfmodel.validity import violations
 
+    if plan_file is not None:
+        from mosaic.planfile import cluster_of, read_plan
+
+        if model is not None or layout is not None or devices is not None:
+            raise InputError("--plan gives the model, layout and devices: drop --model, --layout and --devices")
+        plan_obj = read_plan(plan_file)
+        if cluster is None:
+            if plan_obj.cluster is None:
+                raise InputError(f"--plan {plan_file}: the plan names no cluster; pass --cluster")
+            cluster = plan_obj.cluster.source()
+            drift = cluster_of(plan_obj)[1]
+            if drift:
+                err_console.print(f"warning: {drift}", markup=False)
+        arch, model = plan_obj.model, plan_file
+        layout, devices = plan_obj.layout.to_string(), plan_obj.devices
+    if cluster is None or model is None or layout is None:
+        raise InputError("give --cluster, --model and --layout (or --plan FILE)")
     spec = load_cluster(cluster)
-    arch = load_spec(MoEArchitecture, model)
+    if plan_file is None:
+        arch = load_spec(MoEArchitecture, model)
     if plot is not None and plot.suffix.lower() != ".png":
         raise InputError(f"--plot {plot}: give a .png file name")
     if devices is not None and devices < 1:
@@ -215,7 +237,7 @@ def predict(
             console.print(f"plot: {plot}")
         return
 
-    lay = parse_layout(layout)
+    lay = parse_layout(layout) if plan_file is None else plan_obj.layout
     if lay.dp is None:
         n = spec.devices if devices is None else devices
         lay = lay.resolve(n)
