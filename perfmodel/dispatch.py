@@ -286,7 +286,7 @@ def fused_dispatch_times(cluster: ClusterSpec, lay: LayoutLike, dispatcher_code:
     levels = group_levels(cluster, ep, etp)
     span_level = np.full(shape, -1)
     inner = np.ones(shape)
-    for j, (c_prev, c, fan, _, _) in enumerate(levels):
+    for j, (c_prev, _, fan, _, _) in enumerate(levels):
         crossed = np.broadcast_to(fan > 1.0, shape)
         span_level = np.where(crossed, j, span_level)
         inner = np.where(crossed, np.broadcast_to(c_prev, shape), inner)

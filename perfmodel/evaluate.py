@@ -46,8 +46,8 @@ from perfmodel.host import HostDispatch, host_dispatch
 from perfmodel.inputs import as_float, broadcast_inputs
 from perfmodel.memory import memory_per_device
 from perfmodel.memory import stage_params as memory_stage_params
-from perfmodel.result import BREAKDOWN_KEYS, HIDDEN_COMPONENTS, REASONS, STEP_COMPONENTS, EvalResult
 from perfmodel.operators import shapes
+from perfmodel.result import BREAKDOWN_KEYS, HIDDEN_COMPONENTS, REASONS, STEP_COMPONENTS, EvalResult
 from perfmodel.schedule import Stage, bubble_slots, micro_batches, pipeline_stages, straggler_factor
 from perfmodel.specs.architecture import ArchBatch, MoEArchitecture, model_flops_per_token, n_moe_layers
 from perfmodel.specs.cluster import ClusterSpec

@@ -132,8 +132,9 @@ def trainer_precision(layout: ParallelLayout, device: str) -> str:
     return "fp32" if layout.precision == "fp32" else "bf16"
 
 
-def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
-    """What this trainer cannot run, beyond the shared validity rules (one message per reason)."""
+def unsupported_features(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
+    """Model and layout features the bundled trainer does not implement (one message each): MTP,
+    MLA with tensor parallel, the allgather / fused dispatchers, capacity factors."""
     problems = []
     if model.n_mtp_layers > 0:
         problems.append(f"n_mtp_layers={model.n_mtp_layers}: multi-token prediction is not implemented in the bundled "
@@ -147,6 +148,12 @@ def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
     if layout.capacity_factor is not None:
         problems.append(f"capacity_factor={layout.capacity_factor:g}: the bundled trainer routes dropless; "
                         "leave capacity_factor out")
+    return problems
+
+
+def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
+    """What this trainer cannot run, beyond the shared validity rules (one message per reason)."""
+    problems = unsupported_features(model, layout)
     if layout.cp > 1:
         problems.append(f"cp={layout.cp}: context parallel is not implemented in the bundled trainer; use cp=1")
     if layout.tp > 1:
