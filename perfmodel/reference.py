@@ -174,10 +174,13 @@ def _normal_cdf(x: float) -> float:
 
 
 def _busiest(E: float, k: float, g: float, N: float) -> float:
-    """Busiest of g expert groups over the mean, uniform routing: 1 + z_g sqrt(g (E-k) / ((E-1) N k))."""
+    """Busiest of g expert groups over the mean, uniform routing: 1 + q_g sqrt(g (E-k) / ((E-1) N k)),
+    q_g = z_g + gamma (z_g^2 - 1) / 6 with gamma the skewness of Binomial(N k, 1/g)."""
     if E <= 1 or k <= 0 or g <= 1 or N <= 0:
         return 1.0
-    return 1.0 + float(expected_max_normal(g)) * math.sqrt(g * max(E - k, 0.0) / (max(E - 1.0, 1.0) * N * k))
+    z = float(expected_max_normal(g))
+    gamma = (1.0 - 2.0 / g) / math.sqrt(N * k * (1.0 / g) * (1.0 - 1.0 / g))
+    return 1.0 + (z + gamma * (z * z - 1.0) / 6.0) * math.sqrt(g * max(E - k, 0.0) / (max(E - 1.0, 1.0) * N * k))
 
 
 def _dropped(E: float, k: float, T: float, c: float) -> float:

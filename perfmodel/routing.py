@@ -10,11 +10,13 @@ The statistical model (numpy only; each function states its formula):
 - A group of E/g experts (an expert-parallel rank: g = ep; one expert: g = E) receives
   X copies from N tokens: per token the count is hypergeometric (E, E/g, k), so
   E[X] = N k / g and Var[X] = N k (1/g)(1 - 1/g)(E - k)/(E - 1).
-- The g group loads sum to N k, so they are the centred Y_i - mean(Y) of g i.i.d. normal
-  variables of variance Var[X] g/(g - 1); their expected maximum is E[X] + z_g sd[X]
-  sqrt(g/(g - 1)), with z_g the expected maximum of g standard normal variables
-  (`expected_max_normal`). Hence the busiest group's load over the mean,
-      f(E, k, g, N) = 1 + z_g sqrt(g (E - k) / ((E - 1) N k))          (1 for g = 1).
+- The g group loads sum to N k, so they are the centred Y_i - mean(Y) of g i.i.d. variables
+  of variance Var[X] g/(g - 1); their expected maximum is E[X] + q_g sd[X] sqrt(g/(g - 1)),
+  with q_g = z_g + gamma (z_g^2 - 1) / 6 (Cornish-Fisher: z_g the expected maximum of g
+  standard normal variables, `expected_max_normal`, and gamma = (1 - 2/g) / sqrt(N k (1/g)(1 - 1/g))
+  the skewness of a binomial count of N k copies at 1/g, which matters when an expert receives
+  few copies). Hence the busiest group's load over the mean,
+      f(E, k, g, N) = 1 + q_g sqrt(g (E - k) / ((E - 1) N k))          (1 for g = 1).
 - Capacity factor c (Megatron-Core `get_capacity` on each rank's own tokens): expert
   capacity C = c T k / E for the T tokens a rank routes; the copies one rank sends one
   expert are Y ~ Binomial(T, k/E), normal with mean mu = T k / E and sd s; the dropped
@@ -71,7 +73,7 @@ def expected_max_normal(n: Values) -> np.ndarray:
 
 
 def busiest_load_factor(n_experts: Values, top_k: Values, groups: Values, tokens: Values) -> np.ndarray:
-    """f = 1 + z_g sqrt(g (E - k) / ((E - 1) N k)): the busiest of g equal expert groups receives
+    """f = 1 + q_g sqrt(g (E - k) / ((E - 1) N k)): the busiest of g equal expert groups receives
     f times the mean N k / g copies of N uniformly routed tokens (module doc); 1 for one group,
     a dense model or no tokens."""
     E = np.asarray(n_experts, dtype=float)
@@ -80,7 +82,10 @@ def busiest_load_factor(n_experts: Values, top_k: Values, groups: Values, tokens
     N = np.asarray(tokens, dtype=float)
     active = (E > 1.0) & (k > 0.0) & (g > 1.0) & (N > 0.0)
     spread = np.where(active, g * np.maximum(E - k, 0.0) / (np.maximum(E - 1.0, 1.0) * np.maximum(N * k, 1e-300)), 0.0)
-    return 1.0 + expected_max_normal(np.where(active, g, 1.0)) * np.sqrt(spread)
+    z = expected_max_normal(np.where(active, g, 1.0))
+    p = 1.0 / np.maximum(g, 1.0)
+    skew = np.where(active, (1.0 - 2.0 * p) / np.sqrt(np.maximum(N * k * p * (1.0 - p), 1e-300)), 0.0)
+    return 1.0 + (z + skew * (z * z - 1.0) / 6.0) * np.sqrt(spread)
 
 
 def dropped_fraction(n_experts: Values, top_k: Values, tokens_per_rank: Values, capacity_factor: Values) -> np.ndarray:
