@@ -36,7 +36,7 @@ Sources
   selective saves that, and flash's own bf16 copy of the output under fp8. Full
   recompute keeps only each layer's input plus one layer's working set.
 - MoE stored activations use the MEAN tokens per expert-parallel rank (M_mean), not the
-  busiest rank's (M_exp = MOE_LOAD_FACTOR x mean): a rank's peak is the sum over all its
+  busiest rank's (M_exp = load x mean, `perfmodel.routing.busiest_load_factor`): a rank's peak is the sum over all its
   layers and in-flight micro-batches, and the rank that is busiest differs from layer to
   layer (routing is balanced by the auxiliary loss only on average), so the sum
   concentrates at the mean (law of large numbers over L x in-flight terms). The
