@@ -267,11 +267,15 @@ _FALSE = {"false", "0", "no", "off"}
 def parse_layout(text: str, devices: Optional[int] = None) -> ParallelLayout:
     """Parse ``"tp=8,pp=8,vpp=3,mbs=1,gbs=64,recompute=full"``.
 
-    Unnamed fields take their defaults; with `devices`, dp (and gbs) are resolved.
+    Unnamed fields take their defaults; with `devices`, dp (and gbs) are resolved. Items without
+    "=" right after `pp_layout` continue it (Megatron's layout strings may hold commas).
     """
     values: dict[str, Any] = {}
     text = text.strip()
     for item in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in item and "pp_layout" in values and list(values)[-1] == "pp_layout":
+            values["pp_layout"] += "," + item  # Megatron's cosmetic commas inside a layout string
+            continue
         if "=" not in item:
             raise InputError(f"layout '{text}': '{item}' is not key=value; write e.g. 'tp=8,pp=2'")
         key, raw = (s.strip() for s in item.split("=", 1))

@@ -104,6 +104,8 @@ def test_bad_split_and_missing_dispatcher_are_one_line_errors():
     assert "add up" in violations(DEEPSEEK_V3, parse_layout("pp=2,first_stage_layers=70,dp=1"), 2)[0]
     with pytest.raises(InputError, match="key 'pp_layout'.*8 stages"):
         parse_layout("pp=4,pp_layout=Et|t|t|t|t|t|t|tL")
+    with_commas = parse_layout("pp=4,pp_layout=Et*3|t*4,t*4|t*8|t*3L,mbs=1")  # Megatron's cosmetic commas
+    assert with_commas.pp_layout == "Et*3|t*4,t*4|t*8|t*3L" and parse_layout(with_commas.to_string()) == with_commas
     message = dispatcher_problem(load_cluster("h100"), parse_layout("ep=8,dispatcher=deepep", devices=8))
     assert message.startswith("layout: dispatcher=deepep") and "use dispatcher=alltoall" in message
     assert dispatcher_problem(load_cluster("h100"), parse_layout("ep=16,dispatcher=hybridep", devices=16)) is None
