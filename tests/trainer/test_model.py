@@ -96,23 +96,24 @@ def test_packed_documents_do_not_see_each_other(tiny_arch):
     assert not torch.allclose(unmasked_logits[:, 6:], alone_logits, atol=1e-3)
 
 
+def _grads(model, tokens):
+    model.zero_grad()
+    logits, aux = model(tokens)
+    (logits.square().mean() + aux).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_gives_the_same_gradients(tiny_arch, mode):
     torch.manual_seed(3)
     model = Transformer(tiny_arch)
     tokens = torch.randint(0, tiny_arch.vocab_size, (2, tiny_arch.seq_len))
 
-    def grads():
-        model.zero_grad()
-        logits, aux = model(tokens)
-        (logits.square().mean() + aux).backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    reference = grads()
+    reference = _grads(model, tokens)
     for moe in model.moe_layers():
         moe.reset_load()
     apply_ac(model, mode)
-    recomputed = grads()
+    recomputed = _grads(model, tokens)
     for a, b in zip(reference, recomputed):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     # the expert load counts each forward once, not again when recomputed
@@ -197,15 +198,9 @@ def test_latent_attention_equals_plain_reference(tiny_arch, q_lora_rank):
     assert all(isinstance(b.attn, LatentAttention) for b in model.layers.values())
     tokens = torch.randint(0, arch.vocab_size, (2, arch.seq_len))
 
-    def grads():
-        model.zero_grad()
-        logits, aux = model(tokens)
-        (logits.square().mean() + aux).backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    reference = grads()
+    reference = _grads(model, tokens)
     apply_ac(model, "selective")
-    for a, b in zip(reference, grads()):
+    for a, b in zip(reference, _grads(model, tokens)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     expected = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.attn."))
     from perfmodel.specs.architecture import attention_params_per_layer
