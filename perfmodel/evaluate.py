@@ -35,7 +35,7 @@ report how far off they are.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -83,20 +83,24 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         arch, lay = as_float(arch), as_float(lay)
         pipeline = pipeline_stages(arch, lay)
         if len(pipeline) > 2:
-            # The stages are priced batch-wide: candidates with only a first and a last stage (even
-            # splits) are evaluated apart from those with middle stages (every candidate's numbers
-            # are its own either way), so a few uneven ones do not triple the work of the rest.
+            # The stages are priced batch-wide: the timed middle stages are priced only for the
+            # candidates that have one (every candidate's numbers are its own either way), so a
+            # few uneven ones do not triple the work of the rest. Memory-only stages are cheap
+            # and stay with every candidate.
+            memory_only = [stage for stage in pipeline[2:] if not stage.timed]
             middle = np.zeros(len(devices), dtype=bool)
             for stage in pipeline[2:]:
-                middle |= np.asarray(stage.rank) != 0
-            if 0 < middle.sum() < len(devices):
-                parts, index = [], []
-                for rows, stages in ((np.flatnonzero(~middle), pipeline[:2]), (np.flatnonzero(middle), pipeline)):
-                    sub = [Stage(st.rank[rows], {b: v[rows] for b, v in st.counts.items()}, st.timed) for st in stages]
-                    parts.append(_evaluate_chunk(arch.take(rows), lay.take(rows), cluster, host, devices[rows], sub))
-                    index.append(rows)
-                order = np.argsort(np.concatenate(index), kind="stable")
-                return EvalResult.concat(parts).take(order)
+                if stage.timed:
+                    middle |= np.asarray(stage.rank) != 0
+            if not middle.any() or middle.all():
+                pipeline = pipeline if middle.any() else pipeline[:2] + memory_only
+            else:
+                # every candidate through the first/last (+ memory-only) stages, then the ones
+                # with timed middle stages again with all of theirs, written over their rows
+                rows = np.flatnonzero(middle)
+                sub = [Stage(st.rank[rows], {b: v[rows] for b, v in st.counts.items()}, st.timed) for st in pipeline]
+                result = _evaluate_chunk(arch, lay, cluster, host, devices, pipeline[:2] + memory_only)
+                return _put(result, rows, _evaluate_chunk(arch.take(rows), lay.take(rows), cluster, host, devices[rows], sub))
     hw = HardwareView(cluster, lay, host.core_share(devices))
     pricer = CollectivePricer(cluster, lay, hw.share)
     tables = shared_block_tables(arch, lay, cluster, devices, host.block_comms, pricer, hw)
@@ -187,6 +191,21 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         bottleneck_rank=_choose(timed_ranks, slowest).astype(np.int64),
         dropped_fraction=np.broadcast_to(np.asarray(shapes(arch, lay)["drop"], dtype=float), (len(devices),)).copy(),
     )
+
+
+def _put(result: EvalResult, rows: np.ndarray, part: EvalResult) -> EvalResult:
+    """`result` with the candidates at `rows` replaced by `part`'s (copies: no input is written)."""
+    values: dict[str, Any] = {}
+    for name in EvalResult.__dataclass_fields__:
+        value, new = getattr(result, name), getattr(part, name)
+        if isinstance(value, dict):
+            values[name] = {key: np.array(array) for key, array in value.items()}
+            for key, array in values[name].items():
+                array[rows] = new[key]
+        else:
+            values[name] = np.array(value)
+            values[name][rows] = new
+    return EvalResult(**values)
 
 
 def _choose(values: list, index: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ from typing import Union
 
 import numpy as np
 
-from perfmodel.specs.architecture import n_ffn_dense_layers
+from perfmodel.specs.architecture import ArchBatch, n_ffn_dense_layers
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LayoutBatch, ParallelLayout
 from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
@@ -59,17 +59,23 @@ class Stage:
 _LAYER_BLOCKS = ("attention", "dense_ffn", "moe")
 
 
-def _simple_rows(arch: ArchLike, batch: LayoutBatch, n: int) -> np.ndarray:
-    """Candidates with the default even split whose dense layers all sit in virtual stage 0:
-    their ranks are known in closed form (rank 0: L/pp layers, its dense ones; the others L/pp MoE)."""
+def _even_rows(arch: ArchLike, batch: LayoutBatch, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(simple, all_dense): candidates with the default even split whose dense layers all sit in
+    virtual stage 0, and those whose layers are all dense. Both have their ranks in closed form
+    (rank 0: L/pp layers, its dense ones, the others L/pp MoE; all dense: L/pp dense each)."""
     n_layers = np.broadcast_to(np.atleast_1d(np.asarray(arch.n_layers, dtype=np.int64)), (n,))
     stages = np.broadcast_to(np.asarray(batch.pp, dtype=np.int64) * np.asarray(batch.vpp, dtype=np.int64), (n,))
     dense = np.broadcast_to(np.atleast_1d(np.asarray(n_ffn_dense_layers(arch), dtype=np.int64)), (n,))
     default = ((np.asarray(batch.stage_layers)[:, 0] < 0) & (np.asarray(batch.first_stage_layers) < 0)
                & (np.asarray(batch.last_stage_layers) < 0) & ~np.asarray(batch.account_embedding, dtype=bool)
                & ~np.asarray(batch.account_loss, dtype=bool) & ~np.asarray(batch.balanced_split, dtype=bool))
-    default = np.broadcast_to(default, (n,))
-    return default & (n_layers % stages == 0) & (dense <= n_layers // stages)
+    even = np.broadcast_to(default, (n,)) & (n_layers % stages == 0)
+    return even & (dense <= n_layers // stages), even & (dense >= n_layers)
+
+
+def _simple_rows(arch: ArchLike, batch: LayoutBatch, n: int) -> np.ndarray:
+    """Candidates with the default even split whose dense layers all sit in virtual stage 0."""
+    return _even_rows(arch, batch, n)[0]
 
 
 def rank_block_counts(arch: ArchLike, lay: LayoutLike) -> dict[str, np.ndarray]:
@@ -121,6 +127,13 @@ def pipeline_stages(arch: ArchLike, lay: LayoutLike) -> list[Stage]:
     order). One configuration gives floats."""
     single = isinstance(lay, ParallelLayout)
     batch = lay if isinstance(lay, LayoutBatch) else LayoutBatch.stack([lay])
+    if not single and len(batch):
+        simple, all_dense = _even_rows(arch, batch, len(batch))
+        closed = simple | all_dense
+        if closed.all():
+            return _even_stages(arch, batch)
+        if closed.any():
+            return _merge_stages(arch, batch, closed)
     per_rank = rank_block_counts(arch, batch)
     n, width = per_rank["attention"].shape
     pp = np.broadcast_to(np.asarray(lay.pp, dtype=np.int64), (n,))
@@ -174,6 +187,60 @@ def pipeline_stages(arch: ArchLike, lay: LayoutLike) -> list[Stage]:
         else:
             stages.append(Stage(rank.astype(float), counts, is_timed))
     return stages
+
+
+def _even_stages(arch: ArchLike, batch: LayoutBatch) -> list[Stage]:
+    """`pipeline_stages` of a batch whose candidates all have the even split with their dense
+    layers in virtual stage 0 or all layers dense (`_even_rows`), in closed form: rank 0,
+    rank pp - 1 and, where pp > 2 and rank 0 alone holds dense layers, rank 1 for memory only
+    (the same arrays the general path builds)."""
+    n = len(batch)
+    pp = np.broadcast_to(np.asarray(batch.pp, dtype=np.int64), (n,))
+    n_layers = np.broadcast_to(np.atleast_1d(np.asarray(arch.n_layers)).astype(np.int64), (n,))
+    per_rank = (n_layers // pp).astype(float)
+    dense = np.broadcast_to(np.atleast_1d(np.asarray(n_ffn_dense_layers(arch), dtype=float)), (n,)).copy()
+    all_dense = dense >= n_layers
+    dense = np.where(all_dense, per_rank, dense)  # every rank's layers are dense
+    mtp = np.broadcast_to(np.atleast_1d(np.asarray(arch.n_mtp_layers, dtype=float)), (n,)).copy()
+    one_rank = pp == 1
+    ones = np.ones(n)
+    first = {"attention": per_rank, "dense_ffn": dense, "moe": per_rank - dense, "embedding": ones,
+             "head": np.where(one_rank, 1.0, 0.0), "mtp": np.where(one_rank, mtp, 0.0)}
+    last_dense = np.where(one_rank | all_dense, dense, 0.0)
+    last = {"attention": per_rank, "dense_ffn": last_dense, "moe": per_rank - last_dense,
+            "embedding": np.where(one_rank, 1.0, 0.0), "head": ones, "mtp": mtp}
+    stages = [Stage(np.zeros(n), first), Stage((pp - 1).astype(float), last)]
+    second = (pp > 2) & (dense > 0) & ~all_dense
+    if second.any():
+        middle = {"attention": per_rank, "dense_ffn": np.where(second, 0.0, dense),
+                  "moe": np.where(second, per_rank, per_rank - dense), "embedding": np.where(second, 0.0, 1.0),
+                  "head": np.where(second | ~one_rank, 0.0, 1.0), "mtp": np.where(second | ~one_rank, 0.0, mtp)}
+        stages.append(Stage(np.where(second, 1.0, 0.0), middle, False))
+    return stages
+
+
+def _merge_stages(arch: ArchLike, batch: LayoutBatch, closed: np.ndarray) -> list[Stage]:
+    """`pipeline_stages` of a batch with both kinds of rows: the closed form (computed for every
+    row, kept for the `closed` ones), the general rule for the others, assembled in its order
+    (first, last, timed middles, memory-only middles), each row's missing stages padded with its
+    first stage."""
+    n = len(batch)
+    rest = np.flatnonzero(~closed)
+    sub = arch.take(rest) if isinstance(arch, ArchBatch) and np.size(arch.n_layers) == n else arch
+    parts = [_even_stages(arch, batch), pipeline_stages(sub, batch.take(rest))]
+    groups = [[[st for st in stages if st.timed], [st for st in stages if not st.timed]] for stages in parts]
+    merged = []
+    for kind, is_timed in ((0, True), (1, False)):
+        for i in range(max(len(g[kind]) for g in groups)):
+            mine, theirs = (g[kind][i] if i < len(g[kind]) else stages[0] for g, stages in zip(groups, parts))
+            rank = np.array(mine.rank, dtype=float)
+            rank[rest] = theirs.rank
+            counts = {}
+            for b in STAGE_BLOCKS:
+                counts[b] = np.array(mine.counts[b], dtype=float)
+                counts[b][rest] = theirs.counts[b]
+            merged.append(Stage(rank, counts, is_timed))
+    return merged
 
 
 def stage_layer_counts(arch: ArchLike, lay: LayoutLike) -> dict[str, dict[str, Values]]:
