@@ -63,7 +63,8 @@ def group_geometry(lay: LayoutLike, group: str) -> tuple[np.ndarray, np.ndarray]
     """(size n, stride k) of a process group in Megatron-Core rank order.
 
     tp: (tp, 1); cp: (cp, tp); dp (dense gradients, synchronised over dp*cp): (dp*cp, tp);
-    etp: (etp, 1); ep: (ep, etp); edp (expert gradients): (edp, etp*ep);
+    etp: (etp, 1); ep: (ep, etp); ep_etp (the allgather dispatcher's group): (ep*etp, 1);
+    edp (expert gradients): (edp, etp*ep);
     pp (two neighbouring stages): (2, tp*cp*dp) when pp > 1, else a group of one;
     pp_all (all stages of a replica): (pp, tp*cp*dp); world: (tp*cp*dp*pp, 1).
     """
@@ -80,6 +81,8 @@ def group_geometry(lay: LayoutLike, group: str) -> tuple[np.ndarray, np.ndarray]
         return etp, np.ones_like(etp)
     if group == "ep":
         return ep, etp
+    if group == "ep_etp":
+        return ep * etp, np.ones_like(ep)
     if group == "edp":
         return np.maximum(tp * cp * dp / (etp * ep), 1.0), etp * ep
     if group == "pp":

@@ -836,7 +836,23 @@ def build_cluster(name: str, sheet: Mapping[str, Any], ts: TableSet) -> dict[str
     }
     out["accelerator"] = accelerator
     out["levels"] = level_figures(ts, name, sheet)
+    section = dispatch_figures(name, ts)
+    if section:
+        out["ep_dispatch"] = section
     return out
+
+
+def dispatch_figures(name: str, ts: TableSet) -> dict[str, dict[str, dict[str, Any]]]:
+    """The fused dispatchers' figures per fabric level (`perfmodel.dispatch.cluster_figures`, the
+    rule there) from the EP dispatch table rows; empty for a cluster without such rows."""
+    from perfmodel.dispatch import CLUSTER_SPANS, cluster_figures, load_measurements
+
+    path = ts.tables["ep_dispatch"].path
+    if name not in CLUSTER_SPANS or not path.exists():
+        return {}
+    rows = load_measurements(path)
+    return {dispatcher: {level: dataclasses.asdict(fig) for level, fig in by_level.items()}
+            for dispatcher, by_level in cluster_figures(name, rows).items()}
 
 
 class _Dumper(yaml.SafeDumper):

@@ -21,6 +21,7 @@ import yaml
 from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
+from perfmodel.specs.dispatch import FUSED_DISPATCHERS, EpDispatcherFigures
 from perfmodel.specs.kernels import KernelFigures, provenance
 from perfmodel.specs.strict import check, spec_to_dict
 
@@ -288,6 +289,9 @@ class ClusterSpec:
     """Physical cores shared by all ranks (cpu): ranks beyond it share peak."""
     calibration: Optional[dict[str, Any]] = None
     """Filled by `mosaic calibrate`: provenance and fit quality."""
+    ep_dispatch: dict[str, dict[str, EpDispatcherFigures]] = field(default_factory=dict)
+    """Measured figures of the fused MoE dispatchers (FUSED_DISPATCHERS) by fabric level name
+    (`perfmodel.specs.dispatch`); absent: the cluster prices alltoall and allgather only."""
 
     def __post_init__(self) -> None:
         check(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}", "give the device count")
@@ -298,6 +302,13 @@ class ClusterSpec:
                   "order levels innermost first with nested group sizes")
         check(self.framework_overhead_bytes >= 0, "framework_overhead_bytes", "must be >= 0", "give bytes")
         check(self.host_cores is None or self.host_cores >= 1, "host_cores", "must be >= 1", "give the core count")
+        names = [lvl.name for lvl in self.levels]
+        for dispatcher, by_level in self.ep_dispatch.items():
+            check(dispatcher in FUSED_DISPATCHERS, f"ep_dispatch.{dispatcher}", "is not a fused dispatcher",
+                  f"use one of {', '.join(FUSED_DISPATCHERS)}")
+            for level in by_level:
+                check(level in names, f"ep_dispatch.{dispatcher}.{level}", "is not a fabric level of this cluster",
+                      f"use one of {', '.join(names)}")
 
     @property
     def node_devices(self) -> int:
@@ -311,8 +322,12 @@ class ClusterSpec:
         return np.minimum(index, len(self.levels) - 1)
 
     def content_hash(self) -> str:
-        """sha256 of the canonical YAML (what plans record)."""
-        text = yaml.safe_dump(spec_to_dict(self), sort_keys=True)
+        """sha256 of the canonical YAML (what plans record); an empty `ep_dispatch` section is left
+        out, so clusters without one keep the hash they had before the section existed."""
+        data = spec_to_dict(self)
+        if not data.get("ep_dispatch"):
+            data.pop("ep_dispatch", None)
+        text = yaml.safe_dump(data, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def with_devices(self, devices: int) -> ClusterSpec:

@@ -246,3 +246,58 @@ def test_an_overlap_the_framework_cannot_run_is_refused_by_name(layout, render_t
     with pytest.raises(InputError, match=key.replace(".", r"\.")) as refused:
         render(plan, render_to, gpus_per_node=8)
     assert "\n" not in str(refused.value)
+
+
+FRONTIER = EXAMPLE.parent
+FRONTIER_PLANS = ("deepseek_v3_gb200_256", "qwen3_235b_b200_256", "kimi_k2_gb300_256", "olmoe2_large_h100_64")
+
+
+@pytest.mark.parametrize("name", FRONTIER_PLANS)
+def test_megatron_carries_frontier_plans(tmp_path, fake_bin, name):
+    """Split, MLA, MTP, dispatcher and capacity options are Megatron's own (the d98e8a6 parser's
+    table), and they say what the plan says."""
+    from perfmodel.specs.stages import parse_pp_layout
+
+    plan = read_plan(FRONTIER / f"{name}.yaml")
+    _, argv = script_argv(tmp_path, fake_bin, render(plan, "megatron"), {"MEGATRON_LM_DIR": "/mlm"})
+    values = parse(argv, MEGATRON_OPTIONS)
+    m, lay = plan.model, plan.layout
+    if lay.pp_layout:
+        stages = parse_pp_layout(values["--pipeline-model-parallel-layout"][0])
+        assert len(stages) == lay.pp * lay.vpp and sum(s.count("t") for s in stages) == m.n_layers
+        assert sum(s.count("m") for s in stages) == m.n_mtp_layers == int(values.get("--mtp-num-layers", ["0"])[0])
+        assert "--num-layers-per-virtual-pipeline-stage" not in values  # vpp follows from the string
+    if lay.account_embedding:
+        assert "--account-for-embedding-in-pipeline-split" in values and "--account-for-loss-in-pipeline-split" in values
+    if m.kv_lora_rank:
+        assert "--multi-latent-attention" in values and as_int(values, "--kv-lora-rank") == m.kv_lora_rank
+        assert as_int(values, "--qk-head-dim") + as_int(values, "--qk-pos-emb-head-dim") == m.head_dim
+        assert as_int(values, "--v-head-dim") == m.v_head_dim and as_int(values, "--q-lora-rank") == m.q_lora_rank
+        assert values["--recompute-modules"] == ["core_attn", "mla_up_proj"]
+    if lay.dispatcher == "hybridep":
+        assert values["--moe-token-dispatcher-type"] == ["flex"]
+        assert values["--moe-flex-dispatcher-backend"] == ["hybridep"]
+    if lay.capacity_factor:
+        assert float(values["--moe-expert-capacity-factor"][0]) == lay.capacity_factor
+
+
+def test_megatron_and_mindspeed_split_options():
+    """first/last rank counts (+ virtual stages per rank), the balanced default as a layout string;
+    MindSpeed-LLM (core_v0.12.1 has no layout string) takes a per-rank --num-layer-list."""
+    data = variant(model={"n_layers": 30}, layout={"pp": 4, "vpp": 1, "dp": 2, "ep": 2, "tp": 8})
+    balanced = parse(megatron_argv(plan_from_dict(data)), MEGATRON_OPTIONS)
+    assert balanced["--pipeline-model-parallel-layout"] == ["Et*7|(t*8|)*2t*7L"]
+    mind = parse(mindspeed_argv(plan_from_dict(data)), {**MEGATRON_CORE_0_12_1_OPTIONS, **MINDSPEED_OPTIONS},
+                 MINDSPEED_EXTRA_CHOICES)
+    assert mind["--num-layer-list"] == ["7,8,8,7"]
+    data["layout"].update(vpp=2, first_stage_layers=6, last_stage_layers=8)
+    for table, argv in ((MEGATRON_OPTIONS, megatron_argv(plan_from_dict(data))),
+                        ({**MEGATRON_CORE_0_12_1_OPTIONS, **MINDSPEED_OPTIONS}, mindspeed_argv(plan_from_dict(data)))):
+        values = parse(argv, table, MINDSPEED_EXTRA_CHOICES)
+        assert values["--decoder-first-pipeline-num-layers"] == ["6"] and values["--decoder-last-pipeline-num-layers"] == ["8"]
+        assert values["--num-virtual-stages-per-pipeline-rank"] == ["2"]
+    data["layout"].update(first_stage_layers=None, last_stage_layers=None, pp_layout="Et*3|t*4|t*4|t*4|t*4|t*4|t*4|t*3L")
+    with pytest.raises(InputError, match="layout.pp_layout"):
+        mindspeed_argv(plan_from_dict(data))
+    with pytest.raises(InputError, match="layout.dispatcher"):
+        mindspeed_argv(plan_from_dict(variant(layout={"dispatcher": "deepep"})))

@@ -180,3 +180,25 @@ def test_torchtitan_overlaps_tensor_parallel_by_compiled_async_tp_and_refuses_ep
     assert "compile" not in job_tables(plan_from_dict(variant(), "plan.yaml"))
     with pytest.raises(InputError, match=r"layout\.ep_comm_overlap"):
         job_tables(plan_from_dict(variant(layout={"ep_comm_overlap": True}), "plan.yaml"))
+
+
+def test_torchtitan_frontier_plans_split_and_mla():
+    """Stages of unequal depth as module_fqns_per_model_part (every layer once, in order); MLA plans
+    register torchtitan's DeepSeek-V3 model args; MTP and hybridep are WARNING lines."""
+    from tests.exports.upstream_options import DEEPSEEK_V3_MODEL_ARGS
+
+    plan = read_plan(EXAMPLE.parent / "deepseek_v3_gb200_256.yaml")
+    tables = job_tables(plan)
+    parts = tables["parallelism"]["module_fqns_per_model_part"]
+    assert len(parts) == plan.layout.pp * plan.layout.vpp and "pipeline_parallel_layers_per_stage" not in tables["parallelism"]
+    layers = [name for part in parts for name in part if name.startswith("layers.")]
+    assert layers == [f"layers.{i}" for i in range(plan.model.n_layers)]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"] and len(parts[-1]) == 3
+    assert load(plan)["parallelism"]["module_fqns_per_model_part"] == parts  # every key a v0.2.2 JobConfig field
+    tree = ast.parse(flavor_module(plan))
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "DeepSeekV3ModelArgs")
+    args = {kw.arg: kw.value for kw in call.keywords}
+    assert set(args) <= set(DEEPSEEK_V3_MODEL_ARGS)
+    assert ast.literal_eval(args["kv_lora_rank"]) == 512 and ast.literal_eval(args["qk_nope_head_dim"]) == 128
+    text = render(plan, "torchtitan")
+    assert "WARNING: torchtitan has no multi-token prediction" in text and "no hybridep dispatcher" in text

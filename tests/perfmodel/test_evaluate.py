@@ -349,6 +349,21 @@ def test_mixed_precision_batch_equals_single_calls():
         assert single.mfu[0] == pytest.approx(batch.mfu[i], rel=1e-12)
 
 
+def test_batch_of_even_and_uneven_splits_equals_single_calls():
+    # even splits (closed form), uneven ones (general rule, timed middle ranks) and a dense model in one batch
+    strings = ["pp=4,ep=4,mbs=1", "pp=4,ep=2,balanced_split=true,mbs=1", "pp=8,ep=2,mbs=1",
+               "pp=4,first_stage_layers=1,last_stage_layers=1,ep=2,mbs=1", "pp=2,vpp=2,ep=4,mbs=2", "ep=8,mbs=1"]
+    archs = [SMALL_MOE, SMALL_MOE.replace(n_layers=10), DENSE.replace(n_layers=12)]
+    pairs = [(a, parse_layout(s, devices=64)) for a in archs for s in strings]
+    batch = evaluate(ArchBatch.stack([a for a, _ in pairs]), LayoutBatch.stack([lay for _, lay in pairs]), H100)
+    assert set(batch.bottleneck_stage) == {0, 1, 2}  # first, last and middle ranks set the step
+    for i, (arch, layout) in enumerate(pairs):
+        single = evaluate(arch, layout, H100)
+        for got, want in ((batch.step_time_s[i], single.step_time_s[0]), (batch.memory_per_device_bytes[i],
+                          single.memory_per_device_bytes[0]), (batch.bottleneck_rank[i], single.bottleneck_rank[0])):
+            assert got == pytest.approx(want, rel=1e-12), (arch.n_layers, layout.to_string())
+
+
 def test_cpu_ranks_pay_launch_time_on_top():
     gpu = H100
     cpu = dataclasses.replace(H100, host_cores=16)  # 2 ranks on 16 cores: no sharing of the peak

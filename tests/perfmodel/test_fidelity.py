@@ -83,10 +83,11 @@ def test_weights_and_distributed_optimizer_match_megatron_formula():
 
 def test_moe_stored_activations_use_mean_load_but_time_uses_busiest_rank(monkeypatch):
     """Activations summed over many layers concentrate at the mean tokens per rank; each
-    all-to-all and grouped GEMM waits for the busiest rank (MOE_LOAD_FACTOR)."""
+    all-to-all and grouped GEMM waits for the busiest rank (`routing.busiest_load_factor`)."""
     layout = parse_layout("ep=8,mbs=1,gbs=64", devices=8)
     base = evaluate(MOE, layout, H100)
-    monkeypatch.setattr(ops, "MOE_LOAD_FACTOR", 2.0 * ops.MOE_LOAD_FACTOR)
+    factor = ops.busiest_load_factor
+    monkeypatch.setattr(ops, "busiest_load_factor", lambda *args: 2.0 * factor(*args))
     ops._SHAPES_CACHE[:] = [None, None, None]
     heavy = evaluate(MOE, layout, H100)
     ops._SHAPES_CACHE[:] = [None, None, None]
