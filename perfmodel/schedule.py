@@ -7,7 +7,10 @@
   pp-1 the LM head and the MTP modules (Megatron). Each rank's blocks are the sum over its
   chunks. A rank is priced unless an earlier rank (or rank 0) holds at least as many of every
   block: time and memory grow with every block count, and an earlier rank holds at least as
-  many in-flight micro-batches, so such a rank is never the slowest or the largest. The
+  many in-flight micro-batches, so such a rank is never the slowest or the largest. FSDP's
+  gathered-layer buffers grow with a rank's MEAN parameters per layer instead (`perfmodel.memory`),
+  so under FSDP the earlier rank must also hold the same share of dense layers (dense_q * L_r =
+  dense_r * L_q: an equal mean per layer, plus rank 0's embedding) to drop a rank for memory. The
   survivors (rank 0, rank pp-1 and the undominated middle ranks) are the stages `evaluate`
   prices; the slowest sets the step, the largest the memory per device. With an even split
   the middle ranks are dominated (by rank 0, or by rank 1 when dense layers spill there).
@@ -35,7 +38,7 @@ import numpy as np
 
 from perfmodel.specs.architecture import ArchBatch, n_ffn_dense_layers
 from perfmodel.specs.cluster import ClusterSpec
-from perfmodel.specs.layout import LayoutBatch, ParallelLayout
+from perfmodel.specs.layout import DP_FLAVORS, LayoutBatch, ParallelLayout
 from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 from perfmodel.specs.stages import stage_layer_table
 
@@ -122,7 +125,8 @@ def rank_block_counts(arch: ArchLike, lay: LayoutLike) -> dict[str, np.ndarray]:
 
 def pipeline_stages(arch: ArchLike, lay: LayoutLike) -> list[Stage]:
     """The stages `evaluate` prices (module doc): [rank 0, rank pp-1, the middle ranks no other
-    rank outweighs (timed), the other middle ranks no earlier rank outweighs (memory only)],
+    rank outweighs (timed), the other middle ranks no earlier rank outweighs (memory only; under
+    FSDP outweighs with the same dense share)],
     padded with rank 0 where a candidate has fewer. Equal ranks count once (the earliest in that
     order). One configuration gives floats."""
     single = isinstance(lay, ParallelLayout)
@@ -140,6 +144,7 @@ def pipeline_stages(arch: ArchLike, lay: LayoutLike) -> list[Stage]:
     timed = np.zeros((n, width), dtype=bool)
     kept = np.zeros((n, width), dtype=bool)
     simple = _simple_rows(arch, batch, n)
+    fsdp = np.broadcast_to(np.asarray(batch.dp_flavor) == DP_FLAVORS.index("fsdp"), (n,))
     if width > 2:
         # closed form: rank 1 (no dense layer, as many layers) is outweighed by the last rank in
         # time, and held apart in memory when rank 0 has dense layers; later middles equal rank 1
@@ -149,6 +154,7 @@ def pipeline_stages(arch: ArchLike, lay: LayoutLike) -> list[Stage]:
             continue
         rows = np.flatnonzero((pp == p) & ~simple)
         blocks = [per_rank[b][rows, :p] for b in _LAYER_BLOCKS]
+        fsdp_rows = fsdp[rows]
         for r in range(1, p - 1):
             earlier = np.zeros(len(rows), dtype=bool)   # outweighed by an earlier rank: memory too
             anyone = np.zeros(len(rows), dtype=bool)    # by any rank (equal: the earlier one wins): time
@@ -160,8 +166,9 @@ def pipeline_stages(arch: ArchLike, lay: LayoutLike) -> list[Stage]:
                 for blk in blocks[1:]:
                     ge &= blk[:, q] >= blk[:, r]
                     gt |= blk[:, q] > blk[:, r]
-                if q < r:
-                    earlier |= ge
+                if q < r:  # FSDP: the same dense share too, so its mean layer is no lighter
+                    same_mix = blocks[1][:, q] * blocks[0][:, r] == blocks[1][:, r] * blocks[0][:, q]
+                    earlier |= ge & (~fsdp_rows | same_mix)
                 anyone |= ge & (gt | (q < r) | (q == p - 1))
             kept[rows, r] = ~earlier
             timed[rows, r] = ~anyone

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from perfmodel import REASONS, evaluate, load_cluster
 from perfmodel.evaluate import STEP_COMPONENTS
 from perfmodel.reference import evaluate_one
-from perfmodel.specs import LayoutBatch, MoEArchitecture, ParallelLayout
+from perfmodel.specs import ArchBatch, LayoutBatch, MoEArchitecture, ParallelLayout
 from perfmodel.specs.layout import OVERLAP_FIELDS
 from perfmodel.validity import valid_mask
 
@@ -114,6 +114,26 @@ def test_vectorised_equals_reference(config, cluster_name):
     slow = evaluate_one(arch, layout, cluster)
     for key, value in slow.items():
         assert _close(fast[key], value), (key, fast[key], value)
+
+
+def test_fsdp_memory_counts_a_middle_rank_an_earlier_rank_outweighs():
+    """With FSDP a rank's gathered-layer buffer is its MEAN parameters per layer, so a middle rank
+    of MoE layers only (rank 2: 3 MoE) can need more memory than an earlier rank holding more of
+    every block (rank 1: 1 dense + 3 MoE, the dense layer lighter): the vectorised model must keep
+    it for memory, alone and in a batch with an even-split candidate (the closed-form merge)."""
+    arch = MoEArchitecture(n_layers=11, d_model=256, n_heads=2, n_kv_heads=2, head_dim=32, vocab_size=1000,
+                           seq_len=128, n_experts=2, top_k=1, n_shared_experts=0, d_expert=512, d_ff_dense=128,
+                           n_dense_layers=1, gated_ffn=False, tie_embeddings=False)
+    layout = ParallelLayout(tp=2, pp=4, vpp=2, ep=1, etp=1, cp=1, dp=2, dp_flavor="fsdp", mbs=1, gbs=2,
+                            recompute="none", sequence_parallel=False, precision="bf16")
+    cluster = CLUSTERS["ascend_superpod"]
+    even = MoEArchitecture(**{**vars(arch), "n_layers": 16})
+    for archs, layouts, row in ((arch, layout, 0),
+                                (ArchBatch.stack([even, arch]), LayoutBatch.stack([layout, layout]), 1)):
+        fast = evaluate(archs, layouts, cluster).row(row)
+        slow = evaluate_one(arch, layout, cluster)
+        for key in ("memory_per_device_bytes", "memory_breakdown"):
+            assert _close(fast[key], slow[key]), (key, fast[key], slow[key])
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
