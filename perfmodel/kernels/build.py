@@ -12,7 +12,10 @@ adds what the measured tables (`perfmodel/data/kernels/*.csv`) give through `per
 - per fabric level: `latency_s` (one collective step) and `collective_efficiency`, fitted to the
   sizes and spans measured on that level.
 Figures without rows of their own are carried over by the rules of `perfmodel.kernels.derive`
-and say so (`derived`). `mosaic calibrate` calls `build_cluster` with its own measurements.
+and say so (`derived`); a fallback to "any accelerator" draws on accelerators of its kind only
+(CPUs for a CPU, GPUs and NPUs for the others: `TableSet.peers`). `mosaic calibrate` calls
+`build_cluster` with its own measurements: its machine is a `MeasuredAccelerator`, a generation
+of its own whose unmeasured figures come from the base cluster's accelerator.
 """
 
 from __future__ import annotations
@@ -72,12 +75,36 @@ def _round(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-class TableSet:
-    """The tables and every accelerator's datasheet figures the fits need."""
+@dataclass(frozen=True)
+class MeasuredAccelerator:
+    """An accelerator the bundled rules (`derive`) do not name: a machine `mosaic calibrate` measured.
 
-    def __init__(self, tables: Mapping[str, KernelTable], sheets: Mapping[str, Mapping[str, Any]]) -> None:
+    It is a GEMM generation of its own whose shape halves are fitted per precision (its rows are
+    a grid of shapes per precision, and a CPU's fp32 FMA units and its bf16 matrix units are
+    different engines); what it did not measure comes from `like` (the base cluster's
+    accelerator) at `like`'s achieved rate, by the rules of `derive`. `cpu`: its fallbacks to
+    "any accelerator" draw on CPUs only (and an accelerator's never on a CPU's)."""
+
+    like: Optional[str]
+    reason: str
+    cpu: bool
+
+
+class TableSet:
+    """The tables and every accelerator's datasheet figures the fits need (and the rules of
+    `derive`, extended by `measured`: accelerators a calibration measured)."""
+
+    def __init__(self, tables: Mapping[str, KernelTable], sheets: Mapping[str, Mapping[str, Any]],
+                 measured: Optional[Mapping[str, MeasuredAccelerator]] = None) -> None:
         self.tables = tables
         self.sheets = dict(sheets)
+        measured = dict(measured or {})
+        self.generation = dict(derive.GENERATION) | {acc: acc for acc in measured}
+        self.nearest = dict(derive.NEAREST) | {
+            acc: ((m.like, 1.0, m.reason),) if m.like else () for acc, m in measured.items()}
+        self.per_precision = set(derive.HALVES_PER_PRECISION) | set(measured)
+        """Generations whose GEMM shape halves are fitted per precision."""
+        self.cpus = {a for a, g in self.generation.items() if g == "cpu"} | {a for a, m in measured.items() if m.cpu}
         self.acc_of = {name: derive.TABLE_ACCELERATOR.get(name, name) for name in self.sheets}
         self.peaks: dict[tuple[str, str], float] = {}
         self.hbm: dict[str, float] = {}
@@ -88,7 +115,20 @@ class TableSet:
                 self.peaks[(acc, prec)] = value
         self._memory: dict[str, tuple[dict[str, FitResult], float]] = {}
         self._gemm: dict[tuple[str, bool], tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]] = {}
-        self._attention: dict[str, Optional[FitResult]] = {}
+        self._attention: dict[tuple[str, Optional[str]], Optional[FitResult]] = {}
+        self._span: dict[tuple[str, str], Optional[SpanFit]] = {}
+
+    def family(self, acc: str, precision: str) -> tuple[str, str]:
+        """The GEMM fit family of (acc, precision): (its generation, the precision where the
+        generation fits halves per precision, else "")."""
+        generation = self.generation[acc]
+        return (generation, precision if generation in self.per_precision else "")
+
+    def peers(self, acc: str) -> list[str]:
+        """Accelerators a figure of `acc` may fall back to when no rule names one: those of its kind
+        (CPUs for a CPU, GPUs and NPUs for an accelerator), sorted."""
+        cpu = acc in self.cpus
+        return sorted(a for a in self.hbm if (a in self.cpus) == cpu)
 
     # -- memory ----------------------------------------------------------------------------
     def memory(self, acc: str) -> tuple[dict[str, FitResult], float]:
@@ -102,7 +142,7 @@ class TableSet:
         fits, _ = self.memory(acc)
         if "copy" in fits:
             return fits["copy"].params["fraction"]
-        for other, _, _ in derive.NEAREST.get(acc, ()):
+        for other, _, _ in self.nearest.get(acc, ()):
             if other in self.hbm:
                 fits, _ = self.memory(other)
                 if "copy" in fits:
@@ -110,13 +150,19 @@ class TableSet:
         return 0.9
 
     # -- GEMM --------------------------------------------------------------------------------
-    def gemm(self, generation: str, grouped: bool) -> tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]:
-        key = (generation, grouped)
+    def gemm(self, family: tuple[str, str], grouped: bool
+             ) -> tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]:
+        """Shared halves and per-key fits of one fit family (`family`): the rows of its
+        generation's accelerators (of its precision, where it has one)."""
+        key = (family, grouped)
         if key not in self._gemm:
-            accs = sorted(a for a, g in derive.GENERATION.items() if g == generation and a in self.hbm)
-            dense_halves = None if not grouped else self.gemm(generation, False)[0]
+            generation, precision = family
+            accs = sorted(a for a, g in self.generation.items() if g == generation and a in self.hbm)
+            dense_halves = None if not grouped else self.gemm(family, False)[0]
             table = self.tables["grouped_gemm" if grouped else "gemm"]
             mask = np.isin(table["accelerator"], accs) & (table["excluded"] == "")
+            if precision:
+                mask &= table["precision"] == precision
             rows = table.select(mask)
             copy_fraction = {a: self.copy_fraction(a) for a in accs}
             entries, measured = gemm_entries(rows, self.peaks, self.hbm, copy_fraction, grouped)
@@ -135,18 +181,18 @@ class TableSet:
 
     def wgrad_ratio(self) -> Optional[tuple[float, str, tuple[str, ...]]]:
         """Median wgrad/fwd e_max of the (accelerator, precision) pairs that measured both alone,
-        over every generation (fitted once, from those rows only)."""
+        over every generation of GPUs and NPUs (a CPU's torch kernels are not their libraries;
+        fitted once, from those rows only)."""
         if not hasattr(self, "_wgrad"):
             table = self.tables["grouped_gemm"]
             alone = table.select((table["excluded"] == "") & np.isin(table["phase"], ("fwd", "wgrad")))
             pairs = {(str(a), str(p)) for a, p, ph in zip(alone["accelerator"], alone["precision"], alone["phase"])
-                     if ph == "wgrad"}
+                     if ph == "wgrad" and str(a) not in self.cpus}
             pairs = {pp for pp in pairs if any((str(a), str(p), ph) == (pp[0], pp[1], "fwd")
                                                for a, p, ph in zip(alone["accelerator"], alone["precision"], alone["phase"]))}
             ratios, srcs, names = [], [], []
             for acc, prec in sorted(pairs):
-                gen = derive.GENERATION[acc]
-                dense_halves = self.gemm(gen, False)[0]
+                dense_halves = self.gemm(self.family(acc, prec), False)[0]
                 mine = alone.select((alone["accelerator"] == acc) & (alone["precision"] == prec))
                 entries, measured = gemm_entries(mine, self.peaks, self.hbm, {acc: self.copy_fraction(acc)}, True)
                 keep = _shaped(mine, self.peaks, True)
@@ -159,13 +205,19 @@ class TableSet:
         return self._wgrad
 
     # -- attention ---------------------------------------------------------------------------
-    def attention(self, acc: str) -> Optional[FitResult]:
-        if acc not in self._attention:
+    def attention(self, acc: str, precision: Optional[str] = None) -> Optional[FitResult]:
+        """The fit of `acc`'s attention rows at the bf16 (else fp16, fp32) peak; with `precision`,
+        of its rows of that precision at that precision's peak (None when it has none)."""
+        if (acc, precision) not in self._attention:
             rows = self.tables["attention"].rows_of(acc)
             rows = rows.select(np.isfinite(rows["tflops"]) & np.isfinite(rows["seq_len"]) & np.isfinite(rows["head_dim"]))
-            peak = self.peaks.get((acc, "bf16")) or self.peaks.get((acc, "fp16")) or self.peaks.get((acc, "fp32"))
-            self._attention[acc] = fit_attention(rows, peak) if len(rows) and peak else None
-        return self._attention[acc]
+            if precision is not None:
+                rows = rows.select(rows["precision"] == precision)
+                peak = self.peaks.get((acc, precision))
+            else:
+                peak = self.peaks.get((acc, "bf16")) or self.peaks.get((acc, "fp16")) or self.peaks.get((acc, "fp32"))
+            self._attention[(acc, precision)] = fit_attention(rows, peak) if len(rows) and peak else None
+        return self._attention[(acc, precision)]
 
 
 def _shaped(rows: KernelTable, peaks: Mapping[tuple[str, str], float], grouped: bool) -> np.ndarray:
@@ -201,11 +253,10 @@ def _rate_scale(ts: TableSet, acc: str, other: str, precision: str, factor: floa
 
 def gemm_figures(ts: TableSet, acc: str, precisions: Sequence[str], grouped: bool) -> dict[str, Any]:
     """dense: {precision: record}; grouped: {precision: {fwd, dgrad, wgrad: record}}."""
-    generation = derive.GENERATION[acc]
-    halves, fits = ts.gemm(generation, grouped)
     phases = GEMM_PHASES if grouped else ("",)
     out: dict[str, Any] = {}
     for precision in precisions:
+        halves, fits = ts.gemm(ts.family(acc, precision), grouped)
         per_phase: dict[str, Any] = {}
         for phase in phases:
             per_phase[phase] = _one_gemm(ts, acc, precision, phase, grouped, halves, fits, set())
@@ -243,13 +294,14 @@ def _one_gemm(ts: TableSet, acc: str, precision: str, phase: str, grouped: bool,
     fallback = derive.PRECISION_FALLBACK.get(precision)
     if fallback is not None and (acc, fallback[0]) in ts.peaks:
         fb_key = _key(acc, fallback[0], phase)
-        if fb_key in fits or (grouped and _key(acc, fallback[0], "fwd") in fits):
-            inner = _one_gemm(ts, acc, fallback[0], phase, grouped, halves, fits, seen | {key})
+        fb_halves, fb_fits = ts.gemm(ts.family(acc, fallback[0]), grouped)
+        if fb_key in fb_fits or (grouped and _key(acc, fallback[0], "fwd") in fb_fits):
+            inner = _one_gemm(ts, acc, fallback[0], phase, grouped, fb_halves, fb_fits, seen | {key})
             return _derived(inner, f"{precision} = {fallback[0]}'s figure: {fallback[1]}")
-    for other, factor, reason in derive.NEAREST.get(acc, ()):
-        if grouped and derive.GENERATION[other] != derive.GENERATION[acc]:
+    for other, factor, reason in ts.nearest.get(acc, ()):
+        if grouped and ts.generation[other] != ts.generation[acc]:
             continue  # another generation's grouped kernels: this part's dense figure x the ratio (below)
-        ohalves, ofits = ts.gemm(derive.GENERATION[other], grouped)
+        ohalves, ofits = ts.gemm(ts.family(other, precision), grouped)
         if _key(other, precision, phase) in ofits or (grouped and _key(other, precision, "fwd") in ofits):
             inner = _one_gemm(ts, other, precision, phase, grouped, ohalves, ofits, seen | {key})
             e = inner["e_max"] * _rate_scale(ts, acc, other, precision, factor)
@@ -269,7 +321,8 @@ def _one_gemm(ts: TableSet, acc: str, precision: str, phase: str, grouped: bool,
             out["source"] = source
             return out
     if fallback is not None and (acc, fallback[0]) in ts.peaks and _key(acc, fallback[0], phase) not in seen:
-        inner = _one_gemm(ts, acc, fallback[0], phase, grouped, halves, fits, seen | {key})
+        fb_halves, fb_fits = ts.gemm(ts.family(acc, fallback[0]), grouped)
+        inner = _one_gemm(ts, acc, fallback[0], phase, grouped, fb_halves, fb_fits, seen | {key})
         return _derived(inner, f"{precision} = {fallback[0]}'s figure: {fallback[1]}")
     raise ValueError(f"no {'grouped ' if grouped else ''}GEMM rows for {acc} {precision} {phase} and no rule to "
                      "derive them (perfmodel/kernels/derive.py)")
@@ -289,47 +342,44 @@ def _derived(inner: Mapping[str, Any], rule: str) -> dict[str, Any]:
 def _grouped_over_dense(ts: TableSet, acc: str, precision: str, phase: str) -> Optional[tuple[float, str, str]]:
     """The grouped/dense e_max ratio of `phase` on the nearest accelerator (then any) that measured
     both for `precision` (or bf16)."""
-    order = [o for o, _, _ in derive.NEAREST.get(acc, ())] + sorted(ts.hbm)
+    order = [o for o, _, _ in ts.nearest.get(acc, ())] + ts.peers(acc)
     for prec in (precision, "bf16"):
         for other in order:
-            _, gfits = ts.gemm(derive.GENERATION[other], True)
-            _, dfits = ts.gemm(derive.GENERATION[other], False)
+            ghalves, gfits = ts.gemm(ts.family(other, prec), True)
+            _, dfits = ts.gemm(ts.family(other, prec), False)
             gkey = _key(other, prec, "fwd")
             if gkey in gfits and (other, prec) in dfits:
-                grouped = _one_gemm(ts, other, prec, phase, True, ts.gemm(derive.GENERATION[other], True)[0], gfits)
+                grouped = _one_gemm(ts, other, prec, phase, True, ghalves, gfits)
                 ratio = grouped["e_max"] / dfits[(other, prec)].params["e_max"]
                 return ratio, f"{other} {prec}", grouped["source"]
     return None
 
 
 def attention_figures(ts: TableSet, acc: str, precisions: Sequence[str]) -> dict[str, Any]:
-    """One record for every precision the attention core may run at (it runs bf16 under fp8)."""
+    """One record for every precision the attention core may run at (it runs bf16 under fp8): the
+    fit of that precision's own rows at its peak where it has some (a CPU trainer's fp32
+    attention), else the fit of all the accelerator's rows at the bf16 peak."""
     record = _attention_record(ts, acc)
     out = {}
     for p in precisions:
         if p in ("fp8", "mxfp8"):
             continue
-        out[p] = dict(record)
+        own = ts.attention(acc, p)
+        out[p] = dict(record) if own is None else _attention_record(ts, acc, p)
     return out
 
 
-def _attention_record(ts: TableSet, acc: str) -> dict[str, Any]:
-    fit = ts.attention(acc)
+def _attention_record(ts: TableSet, acc: str, precision: Optional[str] = None) -> dict[str, Any]:
+    fit = ts.attention(acc, precision)
     derived = ""
     scale = 1.0
     if fit is None:
-        for other, factor, reason in derive.NEAREST.get(acc, ()):
+        for other, factor, reason in ts.nearest.get(acc, ()):
             if other in ts.hbm and ts.attention(other) is not None:
                 fit = ts.attention(other)
                 scale = _rate_scale(ts, acc, other, "bf16", factor)
                 derived = f"from {other}: {reason}"
                 break
-    if fit is None and acc in derive.ATTENTION_FROM_GEMM:
-        ratio, reason = derive.ATTENTION_FROM_GEMM[acc]
-        gemm = gemm_figures(ts, acc, ["fp32"], grouped=False)["fp32"]
-        e = _round(min(gemm["e_max"] * ratio, 1.0))
-        return {"fwd_e_max": e, "bwd_e_max": e, "seq_half_causal": gemm["m_half"], "seq_half": gemm["m_half"],
-                "head_dim_half": gemm["k_half"], "rows": 0, "derived": reason, "source": gemm["source"]}
     if fit is None:
         raise ValueError(f"no attention rows for {acc} and no rule to derive them (perfmodel/kernels/derive.py)")
     p = fit.params
@@ -366,7 +416,7 @@ def memory_figures(ts: TableSet, acc: str) -> dict[str, Any]:
         errors.append(r.errors)
         rows += r.rows
     if not np.isfinite(half):
-        for other, _, reason in derive.NEAREST.get(acc, ()):
+        for other, _, reason in ts.nearest.get(acc, ()):
             ofits, ohalf = ts.memory(other) if other in ts.hbm else ({}, float("nan"))
             if np.isfinite(ohalf):
                 half = ohalf
@@ -385,7 +435,8 @@ def memory_figures(ts: TableSet, acc: str) -> dict[str, Any]:
             if base is None:
                 raise ValueError(f"no memory-bound kernel rows for {acc} and no rule (perfmodel/kernels/derive.py)")
             fraction[cls] = fraction[base]
-            derived[cls] = (f"no {cls} kernel measured on any accelerator: the {base} fraction (one streaming "
+            kind = "CPU" if acc in ts.cpus else "accelerator"
+            derived[cls] = (f"no {cls} kernel measured on any {kind}: the {base} fraction (one streaming "
                             "pass over its bytes)")
     out: dict[str, Any] = {"fraction": {c: fraction[c] for c in MEMORY_CLASSES}, "bytes_half": _round(half),
                            "rows": rows}
@@ -401,9 +452,10 @@ def _memory_class_from_nearest(ts: TableSet, acc: str, cls: str, own: Mapping[st
                                ) -> Optional[tuple[float, str, tuple[str, ...]]]:
     """A class this accelerator lacks: the nearest accelerator's class fraction, scaled by the
     two accelerators' copy fractions when both have one (the class's penalty over a copy)."""
-    candidates = [(o, f, r) for o, f, r in derive.NEAREST.get(acc, ())]
-    candidates += [(o, 1.0, "measured on that accelerator (any accelerator with the class)")
-                   for o in sorted(ts.hbm) if o != acc]
+    kind = "CPU" if acc in ts.cpus else "accelerator"
+    candidates = [(o, f, r) for o, f, r in ts.nearest.get(acc, ())]
+    candidates += [(o, 1.0, f"measured on that accelerator (any {kind} with the class)")
+                   for o in ts.peers(acc) if o != acc]
     for other, _, reason in candidates:
         if other not in ts.hbm:
             continue
@@ -544,14 +596,11 @@ class _Fabric:
     levels: tuple[_Level, ...]
 
 
-_SPAN_CACHE: dict[tuple[int, str, str], Optional[SpanFit]] = {}
-
-
 def span_fit_of(ts: TableSet, acc: str, span: str) -> Optional[SpanFit]:
     """The fit of `span` on `acc`'s bundled cluster (its inner levels fitted first)."""
-    key = (id(ts), acc, span)
-    if key in _SPAN_CACHE:
-        return _SPAN_CACHE[key]
+    key = (acc, span)
+    if key in ts._span:
+        return ts._span[key]
     result = None
     for name, sheet in ts.sheets.items():
         if ts.acc_of[name] != acc:
@@ -569,7 +618,7 @@ def span_fit_of(ts: TableSet, acc: str, span: str) -> Optional[SpanFit]:
             record["latency_s"], record["collective_efficiency"] = fitted.latency_s, dict(fitted.efficiency)
             built.append(record)
         break
-    _SPAN_CACHE[key] = result
+    ts._span[key] = result
     return result
 
 
@@ -578,7 +627,7 @@ def _latency_fallback(ts: TableSet, acc: str, span: str) -> Optional[tuple[float
     else another accelerator of the generation with a small-message sweep at that span."""
     rule = derive.SPAN_NEAREST.get((acc, span))
     candidates = ([rule[:2]] if rule and rule[2] else []) + [
-        (o, span) for o, g in sorted(derive.GENERATION.items()) if g == derive.GENERATION[acc] and o != acc]
+        (o, span) for o, g in sorted(ts.generation.items()) if g == ts.generation[acc] and o != acc]
     for other, ospan in candidates:
         if other not in ts.hbm:
             continue

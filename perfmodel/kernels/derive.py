@@ -4,6 +4,7 @@
 - `GENERATION`: accelerators whose GEMM tiles and waves are the same silicon generation share
   their fitted GEMM shape halves (`fit.fit_gemm_family`): Hopper GH100 (H100, H200, H800: 132
   SMs, the same die), Blackwell (B200, B300, GB200, GB300), Ampere, CDNA3, Ascend Da Vinci, cpu.
+- `HALVES_PER_PRECISION`: generations whose halves are fitted per precision (a CPU's engines).
 - `NEAREST`: where an accelerator has no measured row of a kind (or precision, phase), its
   figure is the first listed accelerator's that has one, with the achieved rate scaled by the
   stated factor (a measured ratio where one exists, else 1 for the same silicon) - marked
@@ -27,6 +28,13 @@ GENERATION = {
     "b200": "blackwell", "b300": "blackwell", "gb200": "blackwell", "gb300": "blackwell",
     "mi300x": "cdna3", "ascend_910b": "davinci", "ascend_910c": "davinci", "cpu_local": "cpu",
 }
+
+HALVES_PER_PRECISION = {"cpu"}
+"""Generations whose GEMM shape halves are fitted per precision: a CPU runs fp32 on its FMA
+units and bf16 on other engines (AMX tiles, AVX-512 BF16 dot products), whose efficiency
+saturates at other sizes (on the test machine, one core: fp32 halves 30-60, bf16 200-350);
+one set of halves for both put the fp32 fit 28% off over the trainer's GEMM shapes against 8%
+with its own (`mosaic calibrate --quick` grid, 2026-12-01)."""
 
 NEAREST: dict[str, tuple[tuple[str, float, str], ...]] = {
     "h200": (("h100", 1.0, "same GH100 die, 132 SMs, 700 W: MAMF bf16 equal, fp8 +3.6% (ml-engineering "
@@ -108,11 +116,3 @@ def span_of_level(index: int, name: str, n_levels: int) -> str:
     if name in ("nvl72", "supernode", "scale_up"):
         return "scale_up"
     return "scale_out"
-
-
-ATTENTION_FROM_GEMM = {
-    "cpu_local": (0.43, "the fp32 GEMM figure x 0.43: the median measured rate of causal fp32 SDPA forwards over "
-                        "the fp32 GEMM at equal FLOPs (5 shapes, range 0.29-0.52; `mosaic calibrate --quick` on "
-                        "the test machine, 2026-12-01)"),
-}
-"""Accelerators whose attention was measured only relative to their GEMM."""
