@@ -3,6 +3,7 @@ machine per folder), and the bundled cpu_local built from such rows as the GPUs 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from calibration.measurements import Measurement
@@ -137,3 +138,62 @@ def test_no_accelerator_draws_on_the_cpu_rows():
     for name, path in bundled_cluster_paths().items():
         if name != "cpu_local":
             assert "cpu_local" not in path.read_text(), name
+
+
+def test_a_gpu_calibration_is_fitted_to_its_rows_and_derives_the_rest_from_its_base(tmp_path):
+    """Rows as `mosaic calibrate --device cuda` writes them (bf16 GEMMs made by the GEMM form at
+    known figures, NCCL all-reduces inside the node) on base h100: the datasheet peak stays, the
+    bf16 figure is the rows', fp8 and attention come from the base's accelerator and say so, the
+    node level is fitted to its rows by the build, the scale-out level keeps the base's."""
+    import itertools
+
+    from calibration.profile import calibrated_mapping
+    from perfmodel.clusters import load_cluster
+    from perfmodel.kernels.forms import gemm_efficiency
+    from perfmodel.specs.cluster import ClusterSpec
+    from perfmodel.specs.strict import spec_from_dict
+
+    peak, e_max, halves = 989e12, 0.7, (120.0, 300.0, 400.0)
+    rows = []
+    for m, n, k in itertools.product((256, 2048, 8192), repeat=3):
+        flops = 2.0 * m * n * k
+        rows.append(_m("gemm", flops / (peak * gemm_efficiency(m, n, k, e_max, *halves)), {"M": m, "N": n, "K": k},
+                       flops=flops, precision="bf16"))
+    for size in 4096.0 * 4.0 ** np.arange(7):  # all-reduce over 8 NVLink ranks: 10 us per step, 80% of 450 GB/s
+        time_s = 6 * 10e-6 + size * 2 * 7 / 8 / (0.8 * 450e9)
+        rows.append(_m("all_reduce", time_s, {"ranks": 8, "bytes": size}, nbytes=size, level="node", ranks=8, impl="nccl",
+                       busbw_bytes_per_s=size / time_s * 2 * 7 / 8))
+    provenance = Provenance(device="cuda", device_name="NVIDIA H100 80GB HBM3", ranks=8, torch_version="2.13.0",
+                            driver="cuda 12.8", threads_per_rank=None, quick=True, date="2026-12-01T00:00:00+00:00",
+                            host="node")
+    base = load_cluster("h100")
+    folder = write_folder(tmp_path / "h100.kernels", rows, provenance, "h100_calibrated", [lv.name for lv in base.levels])
+    spec = spec_from_dict(ClusterSpec, calibrated_mapping("h100", read_folder(folder), folder.name), source="test")
+    acc = spec.accelerator
+    assert acc.peak_flops_per_s == base.accelerator.peak_flops_per_s  # cuda: the datasheet peak stays
+    bf16 = acc.kernels.gemm["bf16"]
+    assert bf16.rows == 27 and not bf16.derived and bf16.e_max == pytest.approx(e_max, rel=0.02)
+    assert (bf16.m_half, bf16.n_half, bf16.k_half) == pytest.approx(halves, rel=0.05)
+    assert acc.kernels.gemm["fp8"].rows == 0 and acc.kernels.gemm["fp8"].derived
+    attention = acc.kernels.attention["bf16"]
+    assert attention.rows == 0 and "from h100: not measured by this calibration" in attention.derived
+    assert attention.fwd_e_max == base.accelerator.kernels.attention["bf16"].fwd_e_max  # same peak: the same figure
+    node, scale_out = spec.levels
+    assert node.collective_fit.rows == 7  # the other collectives from this one by the build's stated ratio
+    assert "all_gather: all_reduce x" in node.collective_fit.derived
+    assert node.collective_efficiency["all_reduce"] == pytest.approx(0.8, rel=0.05)
+    assert node.latency_s == pytest.approx(10e-6, rel=0.1)
+    assert scale_out.latency_s == base.levels[1].latency_s
+    assert "not measured by this calibration" in scale_out.collective_fit.derived
+
+
+def test_a_refit_from_tables_needs_no_torch(tmp_path):
+    import subprocess
+    import sys
+
+    folder = write_folder(tmp_path / "cal.kernels", ROWS, PROVENANCE, "cpu_local_calibrated", ["host"])
+    code = ("import sys; from pathlib import Path; from calibration.run import calibrate; "
+            f"r = calibrate('cpu_local', output=Path({str(tmp_path / 'again.yaml')!r}), measurements=Path({str(folder)!r})); "
+            "print(r.spec.name, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["cpu_local_calibrated", "False"]
