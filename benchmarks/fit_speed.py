@@ -1,7 +1,8 @@
 """Speed of the scaling-law fitter: the default mosaic4d fit on the bundled runs, and bootstrap 100.
 
-  1. Wall time of `scaling_fits.fitter.fit` for mosaic4d (eta held at the default fit's prior)
-     on scaling_fits/data/clark2022_runs.csv with the default start grid, in one process
+  1. Wall time of `scaling_fits.fitter.fit` for mosaic4d with the default fit's settings (one e
+     per source, eta at its placeholder) on the default fit's runs (scaling_fits/data/clark2022_runs.csv
+     + chinchilla2022_runs.csv) with the default start grid, in one process
      with BLAS limited to one thread (the fitter does that itself). Target: under 30 s on one
      core of the 2-core test machine.
   2. The same fit followed by 100 bootstrap refits over runs (warm starts).
@@ -28,10 +29,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scaling_fits.data import load_runs  # noqa: E402
 from scaling_fits.fitfile import write_text_atomic  # noqa: E402
 from scaling_fits.fitter import FitOptions, bootstrap, fit  # noqa: E402
-from scaling_fits.make_default_fit import PRIORS, RUNS_CSV  # noqa: E402
+from scaling_fits.make_default_fit import default_options, default_runs  # noqa: E402
 
 TARGET_S = 30.0
 
@@ -54,9 +54,9 @@ def main() -> int:
     ap.add_argument("--n-boot", type=int, default=100)
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args()
-    data = load_runs(RUNS_CSV)
-    options = FitOptions(fixed={k: v["value"] for k, v in PRIORS.items()})
-    print(f"data: {data.n_points} points of {data.n_runs} runs ({RUNS_CSV.name}); grid {options.n_starts} starts; "
+    data = default_runs()
+    options = default_options()
+    print(f"data: {data.n_points} points of {data.n_runs} runs ({data.source}); grid {options.n_starts} starts; "
           f"{os.cpu_count()} CPUs visible")
 
     wall, cpu, res = timed(lambda: fit("mosaic4d", data, options), args.repeats)
@@ -75,7 +75,7 @@ def main() -> int:
 
     par = None
     if args.jobs > 1:
-        popt = FitOptions(**{**options.as_dict(), "n_jobs": args.jobs})
+        popt = FitOptions(**{**options.as_dict(), "n_jobs": args.jobs, "per_source": tuple(options.per_source)})
         wall_p, _, res_p = timed(lambda: fit("mosaic4d", data, popt), args.repeats)
         same = bool((abs(res_p.theta - res.theta) <= 1e-9 * (1 + abs(res.theta))).all())
         par = {"jobs": args.jobs, "wall_s": wall_p, "speedup": wall / wall_p, "same_result": same}

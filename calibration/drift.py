@@ -10,7 +10,7 @@ to fold later measurements into the calibrated cluster file, each writing a new 
   and autograd work, like an eager op) x m_launch / c_launch; the fp32 compute figures (the e_max
   of the fp32 GEMM, grouped GEMM and attention: one core's arithmetic) x r_gemm = m_gemm /
   (peak_fp32 x eff_fp32(n, n, n)), capped at 1; with collective probes every
-  level's latency_s and sync_latency_s x `collective_latency_ratio`. Means, not medians: the
+  level's latency_s, sync_latency_s and per-collective latencies x `collective_latency_ratio`. Means, not medians: the
   measured step time is a mean (`calibration.from_runs.measured_step_time_s`) and a step's
   host time is linear in its per-op cost, so the mean step over states that come and go is
   priced by the mean per-op cost over them.
@@ -161,10 +161,15 @@ def interleaved_cluster(calibrated: Path, probes: Sequence[HostProbe], out: Path
         ratio = collective_latency_ratio(base, float(np.mean(collective_probes_s)))
         note = (f"; x {ratio:.3f}, a {PROBE_COLLECTIVE_BYTES}-byte 2-rank all-reduce's drift (mean of "
                 f"{len(collective_probes_s)} collective probes, calibration.drift.collective_probe)")
+        from calibration.from_runs import PER_COLLECTIVE_LATENCIES
+
         for level in data["levels"]:
             for key in ("latency_s", "sync_latency_s"):
                 if level.get(key) is not None:
                     level[key] = float(f"{float(level[key]) * ratio:.4g}")
+            for key in PER_COLLECTIVE_LATENCIES:
+                if level.get(key):
+                    level[key] = {c: float(f"{float(v) * ratio:.4g}") for c, v in level[key].items()}
             level["source"] = f"{level.get('source', '')}{note}"
     write_yaml_atomic(out, data)
     return out

@@ -14,7 +14,8 @@ time over a logging interval), so what published throughput figures mean.
                      attention e_max (clipped to 1) and each memory-bound class's fraction of
                      the memory bandwidth (clipped to 1.5, `perfmodel.specs.kernels`)
   launch_latency_s   host dispatch time per kernel
-  collective_latency_scale  multiplies every fabric level's latencies (per step and per call):
+  collective_latency_scale  multiplies every fabric level's latencies (per step, per collective
+                     and per call):
                      what a synchronous job pays per collective beyond its bytes
   overlap            fraction of EP and DP communication that hides behind compute
   straggler_cv       per-node step-time variation (only visible across nodes)
@@ -169,6 +170,9 @@ def discover_runs(runs: Path) -> list[Run]:
     return [load_run(f) for f in folders]
 
 
+PER_COLLECTIVE_LATENCIES = ("collective_latency_s", "ll_collective_latency_s")
+"""A fabric level's step latencies per collective (and of its low-latency protocol), scaled with
+its latency_s by collective_latency_scale."""
 E_MAX_FIELDS = ("e_max", "fwd_e_max", "bwd_e_max")
 """The fields of a kernel figure that efficiency_scale multiplies (clipped to 1)."""
 MAX_MEMORY_FRACTION = 1.5
@@ -202,9 +206,10 @@ def apply_factors(cluster: ClusterSpec, factors: dict[str, float]) -> ClusterSpe
     changes["accelerator"] = acc
     if "collective_latency_scale" in factors:
         s_lat = factors["collective_latency_scale"]
-        changes["levels"] = tuple(dataclasses.replace(level, latency_s=level.latency_s * s_lat,
-                                                      sync_latency_s=level.sync_latency_s * s_lat)
-                                  for level in cluster.levels)
+        changes["levels"] = tuple(dataclasses.replace(
+            level, latency_s=level.latency_s * s_lat, sync_latency_s=level.sync_latency_s * s_lat,
+            **{key: {c: v * s_lat for c, v in getattr(level, key).items()} for key in PER_COLLECTIVE_LATENCIES})
+            for level in cluster.levels)
     if "overlap" in factors:
         changes["overlap"] = dataclasses.replace(cluster.overlap, ep=factors["overlap"], dp=factors["overlap"])
     if "straggler_cv" in factors:
@@ -395,6 +400,9 @@ def _write(cluster: str, factors: dict[str, float], names: list[str], section: d
             level["latency_s"] = float(f"{float(level['latency_s']) * s_lat:.4g}")
             if "sync_latency_s" in level:
                 level["sync_latency_s"] = float(f"{float(level['sync_latency_s']) * s_lat:.4g}")
+            for key in PER_COLLECTIVE_LATENCIES:
+                if level.get(key):
+                    level[key] = {c: float(f"{float(v) * s_lat:.4g}") for c, v in level[key].items()}
             level["source"] = f"{level.get('source', '')}; latency scaled by {s_lat:.4g} {stamp}".lstrip("; ")
     if "overlap" in names:
         overlap = data.setdefault("overlap", {})

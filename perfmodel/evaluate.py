@@ -15,11 +15,11 @@ configuration is a batch of one, `perfmodel.inputs`). For each candidate:
    hides behind that phase's overlappable compute (at most the cluster's
    `overlap` fraction), the host adds its dispatch time (`perfmodel.host`);
    once per step the DDP/ZeRO-1 synchronisation and the optimizer.
-4. The slower of the first and last pipeline stage sets the step
-   (`perfmodel.schedule`): (m + (pp-1)/vpp) micro-batch slots, plus the exposed
-   DP synchronisation, plus the optimizer step, times the straggler factor of
-   the node count.
-5. Memory (`perfmodel.memory.memory_per_device`) of the larger stage against
+4. The slowest priced pipeline stage (`perfmodel.schedule.pipeline_stages`: the
+   first, the last and the middle ranks no earlier rank dominates) sets the step:
+   (m + (pp-1)/vpp) micro-batch slots, plus the exposed DP synchronisation, plus
+   the optimizer step, times the straggler factor of the node count.
+5. Memory (`perfmodel.memory.memory_per_device`) of the largest stage against
    usable HBM.
 
 Breakdown (seconds per step): the STEP_COMPONENTS add up to step_time_s; the
@@ -28,14 +28,14 @@ MFU = model_flops_per_token (DESIGN.md convention) x tokens/s / (devices x
 peak of the layout's precision, times the core share on CPU clusters).
 
 Infeasible candidates never raise: `feasible` is False and `reason` names the
-first failed check (invalid_layout, devices, precision, memory); their
+first failed check (invalid_layout, devices, precision, dispatcher, memory); their
 numbers are still computed (meaningless for invalid_layout) so a search can
 report how far off they are.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -45,9 +45,17 @@ from perfmodel.hardware import HardwareView
 from perfmodel.host import HostDispatch, host_dispatch
 from perfmodel.inputs import as_float, broadcast_inputs
 from perfmodel.memory import memory_per_device
+from perfmodel.memory import stage_params as memory_stage_params
+from perfmodel.operators import shapes
 from perfmodel.result import BREAKDOWN_KEYS, HIDDEN_COMPONENTS, REASONS, STEP_COMPONENTS, EvalResult
-from perfmodel.schedule import bubble_slots, micro_batches, stage_layer_counts, straggler_factor
-from perfmodel.specs.architecture import ArchBatch, MoEArchitecture, model_flops_per_token
+from perfmodel.schedule import Stage, bubble_slots, micro_batches, pipeline_stages, straggler_factor
+from perfmodel.specs.architecture import (
+    ArchBatch,
+    MoEArchitecture,
+    model_flops_per_token,
+    model_flops_per_token_palm,
+    n_moe_layers,
+)
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LayoutBatch, ParallelLayout
 from perfmodel.stage import StageParams, StageTimes, stage_times
@@ -76,24 +84,57 @@ def evaluate(archs: Union[MoEArchitecture, ArchBatch], layouts: Union[ParallelLa
 
 
 def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, host: HostDispatch,
-                    devices: np.ndarray) -> EvalResult:
-    arch, lay = as_float(arch), as_float(lay)
+                    devices: np.ndarray, pipeline: Optional[list[Stage]] = None) -> EvalResult:
+    if pipeline is None:
+        arch, lay = as_float(arch), as_float(lay)
+        pipeline = pipeline_stages(arch, lay)
+        if len(pipeline) > 2:
+            # The stages are priced batch-wide: the timed middle stages are priced only for the
+            # candidates that have one (every candidate's numbers are its own either way), so a
+            # few uneven ones do not triple the work of the rest. Memory-only stages are cheap
+            # and stay with every candidate.
+            memory_only = [stage for stage in pipeline[2:] if not stage.timed]
+            middle = np.zeros(len(devices), dtype=bool)
+            for stage in pipeline[2:]:
+                if stage.timed:
+                    middle |= np.asarray(stage.rank) != 0
+            if not middle.any() or middle.all():
+                pipeline = pipeline if middle.any() else pipeline[:2] + memory_only
+            else:
+                # every candidate through the first/last (+ memory-only) stages, then the ones
+                # with timed middle stages again with all of theirs, written over their rows
+                rows = np.flatnonzero(middle)
+                sub = [Stage(st.rank[rows], {b: v[rows] for b, v in st.counts.items()}, st.timed) for st in pipeline]
+                result = _evaluate_chunk(arch, lay, cluster, host, devices, pipeline[:2] + memory_only)
+                return _put(result, rows, _evaluate_chunk(arch.take(rows), lay.take(rows), cluster, host, devices[rows], sub))
     hw = HardwareView(cluster, lay, host.core_share(devices))
     pricer = CollectivePricer(cluster, lay, hw.share)
     tables = shared_block_tables(arch, lay, cluster, devices, host.block_comms, pricer, hw)
-    counts = stage_layer_counts(arch, lay)
     m = micro_batches(lay)
     slots = bubble_slots(lay)
-    stages: dict[str, StageTimes] = {}
-    params: dict[str, StageParams] = {}
-    for name in ("first", "last"):
-        st, params[name] = stage_times(StageBlocks(arch, lay, tables, counts[name]), cluster.overlap, hw, pricer, host)
+    stages: list[StageTimes] = []
+    params: list[StageParams] = []
+    for stage in pipeline:
+        if not stage.timed:  # a middle rank a later one outweighs: memory only
+            params.append(memory_stage_params(arch, lay, stage.counts))
+            continue
+        st, stage_params = stage_times(StageBlocks(arch, lay, tables, stage.counts), cluster.overlap, hw, pricer, host)
         st["step"] = (m + slots) * st["micro_batch"] + st["dp_step_exposed"] + st["dp_step_slowdown"] + st["optimizer"]
-        stages[name] = st
-    last_slower = stages["last"]["step"] > stages["first"]["step"]
+        stages.append(st)
+        params.append(stage_params)
+    timed_ranks = [stage.rank for stage in pipeline if stage.timed]
+    slowest = np.zeros(len(devices), dtype=np.int64)  # ties go to the earlier stage (the first)
+    slowest_step = stages[0]["step"]
+    for i in range(1, len(stages)):
+        slower = stages[i]["step"] > slowest_step
+        slowest = np.where(slower, i, slowest)
+        slowest_step = np.where(slower, stages[i]["step"], slowest_step)
 
     def pick(key: str) -> np.ndarray:
-        return np.where(last_slower, stages["last"][key], stages["first"][key])
+        value = stages[0][key]
+        for i in range(1, len(stages)):
+            value = np.where(slowest == i, stages[i][key], value)
+        return value
 
     factor = straggler_factor(cluster, devices)
     base_step_s = pick("step")
@@ -121,16 +162,20 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
     }
     breakdown = {k: np.broadcast_to(np.asarray(v, dtype=float), step_s.shape).copy() for k, v in breakdown.items()}
 
-    memory = memory_per_device(arch, lay, cluster, counts, params)
+    memory = memory_per_device(arch, lay, cluster, pipeline, params)
 
     tokens = np.asarray(lay.gbs, dtype=float) * np.asarray(arch.seq_len, dtype=float)
     tokens_per_s = tokens / step_s
     model_flops_per_s = np.asarray(model_flops_per_token(arch), dtype=float) * tokens_per_s
     mfu = model_flops_per_s / (devices * hw.gemm_peak)
+    mfu_palm = np.asarray(model_flops_per_token_palm(arch), dtype=float) * tokens_per_s / (devices * hw.gemm_peak)
 
     reason = np.zeros(len(devices), dtype=np.int64)
+    dispatch_missing = np.broadcast_to(tables["moe"].get("dispatch_missing", False), (len(devices),)) & (
+        np.asarray(n_moe_layers(arch)) > 0)
     checks = (
         ("memory", memory.total_bytes > cluster.accelerator.usable_hbm_bytes),
+        ("dispatcher", dispatch_missing),
         ("precision", hw.precision_missing),
         ("devices", devices > cluster.devices),
         ("invalid_layout", ~valid_mask(arch, lay, devices)),
@@ -142,6 +187,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         tokens_per_s=tokens_per_s,
         tokens_per_s_per_device=tokens_per_s / devices,
         mfu=mfu,
+        mfu_palm=mfu_palm,
         tflops_per_device=model_flops_per_s / devices / 1e12,
         memory_per_device_bytes=memory.total_bytes,
         feasible=reason == 0,
@@ -150,5 +196,29 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         memory_breakdown=memory.breakdown,
         devices=np.asarray(devices, dtype=float).astype(np.int64),
         micro_batches=np.asarray(m, dtype=float),
-        bottleneck_stage=np.asarray(last_slower).astype(np.int64),
+        bottleneck_stage=np.minimum(slowest, 2),
+        bottleneck_rank=_choose(timed_ranks, slowest).astype(np.int64),
+        dropped_fraction=np.broadcast_to(np.asarray(shapes(arch, lay)["drop"], dtype=float), (len(devices),)).copy(),
     )
+
+
+def _put(result: EvalResult, rows: np.ndarray, part: EvalResult) -> EvalResult:
+    """`result` with the candidates at `rows` replaced by `part`'s (copies: no input is written)."""
+    values: dict[str, Any] = {}
+    for name in EvalResult.__dataclass_fields__:
+        value, new = getattr(result, name), getattr(part, name)
+        if isinstance(value, dict):
+            values[name] = {key: np.array(array) for key, array in value.items()}
+            for key, array in values[name].items():
+                array[rows] = new[key]
+        else:
+            values[name] = np.array(value)
+            values[name][rows] = new
+    return EvalResult(**values)
+
+
+def _choose(values: list, index: np.ndarray) -> np.ndarray:
+    out = np.asarray(values[0], dtype=float) + 0.0 * index
+    for i in range(1, len(values)):
+        out = np.where(index == i, values[i], out)
+    return out

@@ -110,6 +110,12 @@ class HardwareView:
         e_max = fwd_e if phase == "fwd" else bwd_e
         return self.attn_peak * (e_max * saturation(seq_len, seq_half) * saturation(head_dim, dim_half))
 
+    def operand_seconds(self, nbytes: Values) -> Values:
+        """A GEMM's or attention kernel's operand traffic: bytes / (HBM bw x fraction[copy]), the
+        memory side of its roofline. No per-kernel fixed cost: the kernel-timed GEMM and attention
+        rows hold that in their shape saturations (`kernels.fit`, fitted with this same side)."""
+        return nbytes / (self.hbm_bytes_per_s * self._memory_fraction["copy"])
+
     def memory_seconds(self, nbytes: Values, kernels: Values, kernel_class: str = "copy") -> Values:
         """Seconds of memory-bound traffic: bytes / (HBM bw x fraction[class] x s(bytes per kernel;
         bytes_half)) = (bytes + kernels x bytes_half) / (HBM bw x fraction[class]): each launch

@@ -21,15 +21,19 @@ import numpy as np
 
 from perfmodel.evaluate import REASONS, EvalResult, evaluate
 from perfmodel.specs.layout import (
+    CORE_LAYOUT_FIELDS,
     DP_FLAVORS,
-    BOOL_FIELDS,
-    LAYOUT_FIELDS,
+    OVERLAP_FIELDS,
     PRECISIONS,
     RECOMPUTE_MODES,
     LayoutBatch,
     default_gbs_of_job,
 )
 from perfmodel.validity import valid_mask
+
+GRID_FIELDS = CORE_LAYOUT_FIELDS + OVERLAP_FIELDS
+"""The fields `layout_grid` crosses (the optional split and dispatch fields take their defaults)."""
+BOOL_GRID = ("sequence_parallel",) + OVERLAP_FIELDS
 
 
 def default_precision(cluster: Any) -> str:
@@ -75,11 +79,11 @@ def layout_grid(devices: int, *, tp: Sequence[int], pp: Sequence[int], vpp: Sequ
         rows.append((t, p, v, e, et, c, devices // (t * c * p), DP_FLAVORS.index(flavor), m, gbs,
                      RECOMPUTE_MODES.index(rec), sp, PRECISIONS.index(prec), *ov))
     if not rows:
-        return LayoutBatch(**{name: np.zeros(0, dtype=bool if name in BOOL_FIELDS else np.int64)
-                              for name in LAYOUT_FIELDS})
+        return LayoutBatch(**{name: np.zeros(0, dtype=bool if name in BOOL_GRID else np.int64)
+                              for name in GRID_FIELDS})
     table = np.asarray(rows, dtype=np.int64)
-    cols = {name: table[:, i] for i, name in enumerate(LAYOUT_FIELDS)}
-    for name in BOOL_FIELDS:
+    cols = {name: table[:, i] for i, name in enumerate(GRID_FIELDS)}
+    for name in BOOL_GRID:
         cols[name] = cols[name].astype(bool)
     return LayoutBatch(**cols)
 

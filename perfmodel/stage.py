@@ -2,7 +2,7 @@
 
 Per micro-batch (sums over the stage's blocks, `tables.StageBlocks`):
 - compute per category, fwd + bwd; recompute repeats the layers' forward (full)
-  or the attention core's (selective) in the backward pass.
+  or the attention core's (selective; with MLA also the up projections) in the backward pass.
 - Communication per class: tp, cp, ep from the block tables (full recompute
   repeats the layers' forward collectives); pp: vpp p2p sends of one
   micro-batch's boundary activations, b x T x h (/ tp with sequence parallel),
@@ -13,6 +13,9 @@ Per micro-batch (sums over the stage's blocks, `tables.StageBlocks`):
   switches x what the runtime can hide, `Overlap`), in the order cp (behind attention only),
   tp, ep, pp, FSDP; the rest is exposed. Hidden seconds h cost compute_slowdown x h: the
   compute beside them runs slower (`Overlap.compute_slowdown`, measured).
+- Fused dispatchers (`perfmodel.dispatch`): while their calls hide under compute, that compute
+  runs on 1 - sm_fraction of the compute units, i.e. hidden x sm_fraction / (1 - sm_fraction)
+  longer (in place of the generic compute_slowdown for those calls).
 - Host: `HostDispatch` adds its dispatch time to the device time of both phases.
 
 Once per step (after the last micro-batch):
@@ -89,13 +92,17 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
     layer_fwd_s = sum(total(f"fwd_{cat}", LAYER_BLOCKS) for cat in CATEGORIES)
     layer_fwd_overlap_s = total("fwd_overlap", LAYER_BLOCKS)
     core_fwd_s = counts["attention"] * stage.tables["attention"]["core_fwd"]
-    recompute_s = np.where(full, layer_fwd_s, np.where(selective, core_fwd_s, 0.0))
+    # selective recompute repeats the core (and MLA's up projections, tables.py)
+    selective_fwd_s = counts["attention"] * stage.tables["attention"]["selective_fwd"]
+    selective_overlap_s = counts["attention"] * stage.tables["attention"]["selective_fwd_overlap"]
+    recompute_s = np.where(full, layer_fwd_s, np.where(selective, selective_fwd_s, 0.0))
     out["recompute"] = recompute_s
 
     fwd_compute_s = sum(total(f"fwd_{cat}") for cat in CATEGORIES)
     bwd_compute_s = sum(total(f"bwd_{cat}") for cat in CATEGORIES) + recompute_s
     fwd_window_s = total("fwd_overlap")
-    bwd_window_s = total("bwd_overlap") + np.where(full, layer_fwd_overlap_s, np.where(selective, core_fwd_s, 0.0))
+    bwd_window_s = total("bwd_overlap") + np.where(full, layer_fwd_overlap_s, np.where(selective, selective_overlap_s,
+                                                                                          0.0))
     fwd_attn_s = total("fwd_attention")
     bwd_attn_s = total("bwd_attention") + np.where(full | selective, core_fwd_s, 0.0)
 
@@ -110,9 +117,16 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
         exposed_s.update(phase_exposed)
 
     fwd_kernels, bwd_kernels = host.phase_kernels(stage)
-    # compute beside hidden communication runs slower (`Overlap.compute_slowdown`)
-    fwd_slowdown_s = overlap.compute_slowdown * sum(hidden_s[f"fwd_{c}"] for c in HIDE_ORDER)
-    bwd_slowdown_s = overlap.compute_slowdown * sum(hidden_s[f"bwd_{c}"] for c in HIDE_ORDER)
+    # compute beside hidden communication runs slower (`Overlap.compute_slowdown`); a fused
+    # dispatcher's kernels instead hold sm_fraction of the compute units while hidden under
+    # compute: that compute runs 1 / (1 - sm_fraction) longer
+    sm_fraction = stage.tables["moe"].get("ep_sm_fraction", 0.0)
+    fused = np.asarray(sm_fraction) > 0
+    stretch = np.where(fused, np.asarray(sm_fraction) / (1.0 - np.minimum(sm_fraction, 0.99)), overlap.compute_slowdown)
+    fwd_slowdown_s = overlap.compute_slowdown * sum(hidden_s[f"fwd_{c}"] for c in HIDE_ORDER if c != "ep") \
+        + stretch * hidden_s["fwd_ep"]
+    bwd_slowdown_s = overlap.compute_slowdown * sum(hidden_s[f"bwd_{c}"] for c in HIDE_ORDER if c != "ep") \
+        + stretch * hidden_s["bwd_ep"]
     out["overlap_slowdown"] = fwd_slowdown_s + bwd_slowdown_s
     fwd_device_s = fwd_compute_s + sum(exposed_s[f"fwd_{c}"] for c in HIDE_ORDER) + fwd_slowdown_s
     bwd_device_s = bwd_compute_s + sum(exposed_s[f"bwd_{c}"] for c in HIDE_ORDER) + bwd_slowdown_s

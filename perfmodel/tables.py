@@ -5,11 +5,15 @@ and per layer of the block:
 - time per category (compute, attention, expert_gemm) and phase (fwd; bwd =
   dgrad + wgrad), each op priced by `op_times` (roofline with efficiencies);
 - the overlappable time (GEMMs, attention: what communication may hide
-  behind), the kernels launched, the attention core's forward (what selective
-  recompute repeats);
+  behind), the kernels launched, the attention core's forward, and what selective
+  recompute repeats (the core; with MLA also the up projections, `operators.MLA_UP_OPS`);
 - communication seconds per class (tp, cp, ep; etp counts as ep) and phase, and
   the collective launches, from the host's collective list (`comms_of`:
-  `perfmodel.host.HostDispatch.block_comms`) priced by `perfmodel.comm.CollectivePricer`.
+  `perfmodel.host.HostDispatch.block_comms`) priced by `perfmodel.comm.CollectivePricer`;
+  the fused dispatchers' calls by `perfmodel.dispatch.fused_dispatch_times` (their compute
+  share `ep_sm_fraction`, and `dispatch_missing` where the cluster has no figures);
+- the MTP block: its own ops plus one attention, FFN (MoE when the model has MoE layers),
+  LM head and embedding block, summed entry by entry.
 
 A planner grid repeats few distinct tables (geometries x layouts): rows equal in
 TABLE_ARCH_FIELDS, TABLE_LAYOUT_FIELDS and devices share one table row
@@ -25,19 +29,29 @@ from typing import Optional, Union
 import numpy as np
 
 from perfmodel.comm import CollectivePricer
+from perfmodel.dispatch import FP8_DISPATCH_BYTES, fused_dispatch_times
 from perfmodel.hardware import HardwareView
 from perfmodel.operators import (
+    DEEPEP,
+    FP8,
     FULL,
+    HYBRIDEP,
+    MLA_UP_OPS,
     PHASES,
     SELECTIVE,
     Comm,
     Op,
+    activation_bytes,
     attention_ops,
     dense_ffn_ops,
+    dispatcher_code,
     embedding_ops,
     head_ops,
     moe_ops,
+    mtp_ops,
+    precision_code,
     recompute_code,
+    shapes,
 )
 from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch
 from perfmodel.specs.cluster import ClusterSpec
@@ -57,13 +71,14 @@ LAYER_BLOCKS = ("attention", "dense_ffn", "moe")
 CATEGORIES = ("compute", "attention", "expert_gemm")
 KIND_CATEGORY = {"gemm": "compute", "gemm_hp": "compute", "memory": "compute", "attention": "attention",
                  "expert_gemm": "expert_gemm"}
-COMM_CLASS = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "ep"}
+COMM_CLASS = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "ep", "ep_etp": "ep"}
 """Process group -> the communication class it is reported under."""
 
 TABLE_ARCH_FIELDS = tuple(f for f in ARCH_FIELDS if f != "ffn_ratio")
-TABLE_LAYOUT_FIELDS = ("tp", "cp", "ep", "etp", "mbs", "sequence_parallel", "precision")
+TABLE_LAYOUT_FIELDS = ("tp", "cp", "ep", "etp", "mbs", "sequence_parallel", "precision", "dispatcher",
+                       "capacity_factor", "pad_to_capacity")
 """What the per-block operator and collective tables depend on (not pp, vpp, dp, the dp
-flavour, gbs or recompute): candidates equal in these share one table row."""
+flavour, gbs, recompute or the pipeline split): candidates equal in these share one table row."""
 
 _HASH_MULTIPLIERS = np.random.default_rng(20250101).integers(1, 2**62, size=32, dtype=np.int64) | 1
 
@@ -72,7 +87,7 @@ def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
     """Seconds of one op per phase (fwd, dgrad, wgrad).
 
     memory-bound: `HardwareView.memory_seconds(bytes, kernels, class)` of each phase; GEMM:
-    max(FLOPs / gemm_rate(phase dims), copy seconds of its operand bytes), each phase at its own
+    max(FLOPs / gemm_rate(phase dims), `operand_seconds` of its operand bytes), each phase at its own
     (m, n, k) (`kernels.forms.phase_dims`); attention core: max(FLOPs / attention_rate(phase),
     copy seconds), its backward in the dgrad slot."""
     out: list[Values] = []
@@ -93,7 +108,7 @@ def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
             rate = hw.gemm_rate(op.kind, phase, op.shape[0], op.shape[1], op.shape[2])
         with np.errstate(invalid="ignore", divide="ignore"):
             compute_s = np.where(np.asarray(flops) > 0, flops / rate, 0.0)
-        out.append(np.maximum(compute_s, hw.memory_seconds(nbytes, op.kernels[j])))
+        out.append(np.maximum(compute_s, hw.operand_seconds(nbytes)))
     return out[0], out[1], out[2]
 
 
@@ -104,9 +119,12 @@ def block_tables(arch: ArchLike, lay: LayoutLike, comms_of: CommsOf, pricer: Col
     forward (for selective recompute); and communication per class and phase."""
     tables: Tables = {}
     comms = comms_of(arch, lay)
-    for block, builder in BLOCK_BUILDERS:
+    builders = BLOCK_BUILDERS + ((("mtp", mtp_ops),) if "mtp" in comms else ())
+    fused = None
+    for block, builder in builders:
         table: BlockTable = {f"{ph}_{cat}": 0.0 for ph in ("fwd", "bwd") for cat in CATEGORIES}
         table.update(fwd_overlap=0.0, bwd_overlap=0.0, fwd_kernels=0.0, bwd_kernels=0.0, core_fwd=0.0)
+        selective: dict[str, Values] = {"selective_fwd": 0.0, "selective_fwd_overlap": 0.0, "selective_kernels": 0.0}
         for op in builder(arch, lay):
             fwd_s, dgrad_s, wgrad_s = op_times(op, hw)
             cat = KIND_CATEGORY[op.kind]
@@ -119,18 +137,57 @@ def block_tables(arch: ArchLike, lay: LayoutLike, comms_of: CommsOf, pricer: Col
             table["bwd_kernels"] = table["bwd_kernels"] + op.kernels[1] + op.kernels[2]
             if op.name == "core_attention":
                 table["core_fwd"] = fwd_s
+            if op.name == "core_attention" or op.name in MLA_UP_OPS:
+                selective["selective_fwd"] = selective["selective_fwd"] + fwd_s
+                selective["selective_fwd_overlap"] = selective["selective_fwd_overlap"] + (fwd_s if op.overlappable else 0.0)
+                selective["selective_kernels"] = selective["selective_kernels"] + op.kernels[0]
+        table.update(selective)
         for cls in ("tp", "cp", "ep"):
             table[f"fwd_{cls}"] = 0.0
             table[f"bwd_{cls}"] = 0.0
         table["fwd_comm_kernels"] = 0.0
         table["bwd_comm_kernels"] = 0.0
         for comm in comms[block]:
-            seconds = pricer.time(comm.group, comm.kind, comm.bytes)
+            if comm.kind == "fused":
+                fused = _fused_times(arch, lay, pricer) if fused is None else fused
+                seconds = getattr(fused, comm.name.removeprefix("ep_fused_")) * comm.bytes
+                table["ep_sm_fraction"] = fused.sm_fraction
+                table["dispatch_missing"] = ~fused.available
+            else:
+                seconds = pricer.time(comm.group, comm.kind, comm.bytes)
             key = f"{comm.phase}_{COMM_CLASS[comm.group]}"
             table[key] = table[key] + seconds
             table[f"{comm.phase}_comm_kernels"] = table[f"{comm.phase}_comm_kernels"] + (seconds > 0)
         tables[block] = table
+    if "mtp" in tables:
+        _add_mtp_layer(arch, tables)
     return tables
+
+
+def _fused_times(arch: ArchLike, lay: LayoutLike, pricer: CollectivePricer):  # -> FusedDispatchTimes
+    """The fused dispatchers' four calls per MoE layer and micro-batch (`perfmodel.dispatch`)."""
+    sh = shapes(arch, lay)
+    b = activation_bytes(lay)
+    dispatch_bytes = np.where(np.asarray(precision_code(lay)) >= FP8, FP8_DISPATCH_BYTES, b)
+    return fused_dispatch_times(pricer.cluster, lay, np.asarray(dispatcher_code(lay)),
+                                {DEEPEP: "deepep", HYBRIDEP: "hybridep"}, np.asarray(arch.n_experts, dtype=float),
+                                np.asarray(arch.top_k, dtype=float), sh["T_moe"], sh["h"], sh["rows"], b,
+                                dispatch_bytes, 1.0 / pricer.slowdown)
+
+
+def _add_mtp_layer(arch: ArchLike, tables: Tables) -> None:
+    """The MTP block = its own ops + one attention, FFN (MoE when the model has MoE layers), head
+    and embedding block (module doc); selective recompute is not applied to it."""
+    from perfmodel.specs.architecture import n_moe_layers
+
+    moe = np.asarray(n_moe_layers(arch)) > 0
+    mtp = tables["mtp"]
+    for key in list(mtp):
+        if key.startswith("selective") or key in ("core_fwd", "ep_sm_fraction", "dispatch_missing"):
+            continue
+        ffn = np.where(moe, tables["moe"].get(key, 0.0), tables["dense_ffn"].get(key, 0.0))
+        mtp[key] = (mtp[key] + tables["attention"].get(key, 0.0) + ffn + tables["head"].get(key, 0.0)
+                    + tables["embedding"].get(key, 0.0))
 
 
 def table_groups(arch: ArchBatch, lay: LayoutBatch, devices: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -140,8 +197,13 @@ def table_groups(arch: ArchBatch, lay: LayoutBatch, devices: np.ndarray) -> Opti
     n = len(devices)
     if n < 256:
         return None
-    columns = [np.asarray(getattr(arch, f)).astype(np.int64, copy=False) for f in TABLE_ARCH_FIELDS]
-    columns += [np.asarray(getattr(lay, f)).astype(np.int64, copy=False) for f in TABLE_LAYOUT_FIELDS]
+    def key_column(values: np.ndarray) -> np.ndarray:  # floats by their bits (capacity factors like 1.25)
+        values = np.asarray(values)
+        return values.astype(float).view(np.int64) if values.dtype.kind == "f" and not np.all(values == np.round(values)) \
+            else values.astype(np.int64, copy=False)
+
+    columns = [key_column(getattr(arch, f)) for f in TABLE_ARCH_FIELDS]
+    columns += [key_column(getattr(lay, f)) for f in TABLE_LAYOUT_FIELDS]
     columns.append(np.asarray(devices).astype(np.int64))
 
     def hashed(rows: Union[slice, np.ndarray]) -> np.ndarray:

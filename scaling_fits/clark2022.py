@@ -32,7 +32,7 @@ Conversion (one output row per kept evaluation point):
   this data).
 - ``run_id``: ``clark2022-<hyper_id>``; ``weight`` = 1 / (points kept of that run),
   so every training run counts once in the summed loss whatever its number of
-  evaluation points.
+  evaluation points; ``source``: ``clark2022``.
 
 Which points (defaults of `convert`; `mosaic fit` takes any runs file):
 
@@ -42,15 +42,16 @@ Which points (defaults of `convert`; `mosaic fit` takes any runs file):
   (fixed routing) and RL-R (policy-gradient routing) follow different fitted
   laws in the paper (its Table 2) and mixing them would blur one law. Dense runs
   anchor S = 0.
-- Evaluation points from 40 % of the run on (`min_step_fraction` 0.4: steps
-  >= 100k of 250k). The final step alone gives a single D for every run, so
-  the D exponent could not be identified at all. But every run follows one
-  cosine schedule to 250k steps, and an intermediate point of that schedule
-  is worse than a run whose schedule ends there (Hoffmann et al. 2022, App. A):
-  the earlier the point, the larger that bias. From 40 % on, the learning rate
-  has decayed to <= 65 % of its peak and the D range is still 2.5x (52B to
-  131B tokens). This is a compromise, stated in the default fit's provenance;
-  pass `min_step_fraction=1.0` for final points only.
+- The final evaluation of each run only (`min_step_fraction` 1.0). Every run
+  follows one cosine schedule set for 250k steps, and an intermediate point of
+  that schedule is worse than a run whose schedule ends there (Hoffmann et al.
+  2022, App. A; their Figure A1 shows the gap growing the earlier the point):
+  these data contain no run that ends before 250k steps, so they cannot say how
+  large the bias is, and no correction can be checked against them. What they
+  allow is one clean point per run at D = 131B tokens: they measure the N and S
+  terms at that D, and the token dimension must come from separate runs
+  (`scaling_fits/chinchilla2022.py`). `min_step_fraction` < 1 keeps earlier
+  checkpoints (the previous default, 0.4, for comparison).
 - All seeds and all routing frequencies / k values of those routers (they
   move S at fixed N_tot, which is what the S terms need).
 """
@@ -71,11 +72,12 @@ SOURCE = ("Clark et al. 2022, Unified Scaling Laws for Routed Language Models, a
           "google-deepmind/scaling_laws_for_routing data/curves.csv.gz (commit 42da0c39), CC-BY 4.0")
 NEEDED = ("hyper_id", "step", "loss_validation", "num_experts", "k", "router_type", "flop_increase",
           "total_parameter_count", "dense_parameter_count")
-OUTPUT_COLUMNS = ("run_id", "step", "router_type", "n_experts", "top_k", "n_total", "n_active", "sparsity",
-                  "granularity", "tokens", "loss", "weight")
+SOURCE_ID = "clark2022"
+OUTPUT_COLUMNS = ("run_id", "source", "step", "router_type", "n_experts", "top_k", "n_total", "n_active",
+                  "sparsity", "granularity", "tokens", "loss", "weight")
 
 
-def convert(frame: Any, router_types: Sequence[str] = ("Dense", "S-Base"), min_step_fraction: float = 0.4,
+def convert(frame: Any, router_types: Sequence[str] = ("Dense", "S-Base"), min_step_fraction: float = 1.0,
             tokens_per_step: int = TOKENS_PER_STEP) -> Any:
     """Clark et al. curves (pandas DataFrame) -> runs DataFrame with OUTPUT_COLUMNS."""
     import pandas as pd
@@ -104,6 +106,7 @@ def convert(frame: Any, router_types: Sequence[str] = ("Dense", "S-Base"), min_s
     sparsity = 1.0 - n_active / total
     out = pd.DataFrame({
         "run_id": "clark2022-" + df["hyper_id"].astype(int).astype(str),
+        "source": SOURCE_ID,
         "step": df["step"].astype(int).to_numpy(),
         "router_type": df["router_type"].to_numpy(),
         "n_experts": experts.astype(int),
@@ -121,16 +124,9 @@ def convert(frame: Any, router_types: Sequence[str] = ("Dense", "S-Base"), min_s
 
 def convert_file(src: str | Path, dst: str | Path, **kwargs: Any) -> Any:
     """Read Clark et al.'s curves CSV (optionally .gz), convert, write `dst` atomically; returns the frame."""
-    import pandas as pd
+    from scaling_fits.data import convert_csv
 
-    from scaling_fits.fitfile import write_text_atomic
-
-    src = Path(src)
-    if not src.is_file():
-        raise FitDataError(f"{src}: no such file; give Clark et al.'s curves.csv (../shared/data/)")
-    out = convert(pd.read_csv(src), **kwargs)
-    write_text_atomic(Path(dst), out.to_csv(index=False, float_format="%.10g"))
-    return out
+    return convert_csv(convert, src, dst, "Clark et al.'s curves.csv (../shared/data/)", **kwargs)
 
 
-__all__ = ["OUTPUT_COLUMNS", "SOURCE", "TOKENS_PER_STEP", "convert", "convert_file"]
+__all__ = ["OUTPUT_COLUMNS", "SOURCE", "SOURCE_ID", "TOKENS_PER_STEP", "convert", "convert_file"]

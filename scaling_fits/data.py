@@ -14,10 +14,11 @@ point and named columns:
 | `n_experts`, `top_k` | optional | reported; a row with n_experts > 1 must give its sparsity |
 | `weight` | optional (1) | weight of the row in the summed Huber loss |
 | `run_id` | optional (one run per row) | rows of one training run share it; bootstrap, hold-out and leave-one-out act on runs |
+| `source` | optional (one source) | corpus / tokenizer / evaluation set the loss was measured on; a joint fit can give each source its own irreducible loss (`FitOptions.per_source`) |
 
 Other columns are an error (a misspelt `wieght` must not be ignored), except
-`step`, `router_type`, `source` and any column starting with `note_`, which are
-carried along and never used.
+`step`, `router_type` and any column starting with `note_`, which are carried
+along and never used.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import numpy as np
 from scaling_fits.errors import FitDataError
 
 REQUIRED = ("tokens", "loss")
-KNOWN = ("n_total", "n_active", "sparsity", "tokens", "loss", "granularity", "n_experts", "top_k", "weight", "run_id")
-CARRIED = ("step", "router_type", "source")
+KNOWN = ("n_total", "n_active", "sparsity", "tokens", "loss", "granularity", "n_experts", "top_k", "weight", "run_id",
+         "source")
+CARRIED = ("step", "router_type")
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +52,16 @@ class RunData:
     run_ids: tuple[str, ...]     # label of each run number
     source: str = "<arrays>"
     sha256: str = ""
+    source_index: Optional[np.ndarray] = None   # int source number per row (None: all 0)
+    source_names: tuple[str, ...] = ("",)        # label of each source number (sorted)
+
+    def __post_init__(self) -> None:
+        if self.source_index is None:
+            object.__setattr__(self, "source_index", np.zeros(self.loss.shape[0], dtype=int))
+
+    @property
+    def n_sources(self) -> int:
+        return len(self.source_names)
 
     @property
     def n_points(self) -> int:
@@ -81,12 +93,28 @@ class RunData:
         new_number = np.cumsum(keep) - 1
         return RunData(self.n_total[rows], self.sparsity[rows], self.tokens[rows], self.loss[rows],
                        self.granularity[rows], self.weight[rows], new_number[self.run_index[rows]],
-                       tuple(r for r, k in zip(self.run_ids, keep) if k), self.source, self.sha256)
+                       tuple(r for r, k in zip(self.run_ids, keep) if k), self.source, self.sha256,
+                       self.source_index[rows], self.source_names)
+
+    def subset_sources(self, names: tuple[str, ...]) -> RunData:
+        """Rows of the named sources (run and source numbers renumbered)."""
+        unknown = [n for n in names if n not in self.source_names]
+        if unknown:
+            raise FitDataError(f"{self.source}: no source {unknown[0]!r}; sources: {', '.join(self.source_names)}")
+        wanted = np.isin(np.asarray(self.source_names, dtype=object)[self.source_index], list(names))
+        keep = np.zeros(self.n_runs, dtype=bool)
+        keep[np.unique(self.run_index[wanted])] = True
+        sub = self.subset_runs(keep)
+        labels = np.asarray(self.source_names, dtype=object)[sub.source_index]
+        kept = tuple(n for n in self.source_names if n in set(labels))
+        return RunData(sub.n_total, sub.sparsity, sub.tokens, sub.loss, sub.granularity, sub.weight, sub.run_index,
+                       sub.run_ids, sub.source, sub.sha256, np.array([kept.index(x) for x in labels], dtype=int), kept)
 
 
 def from_arrays(n_total: Any, tokens: Any, loss: Any, sparsity: Any = 0.0, granularity: Any = 1.0,
-                weight: Any = 1.0, run_id: Optional[Any] = None, source: str = "<arrays>") -> RunData:
-    """RunData from arrays (validated like a file); run_id None = every row its own run."""
+                weight: Any = 1.0, run_id: Optional[Any] = None, source: str = "<arrays>",
+                source_id: Optional[Any] = None) -> RunData:
+    """RunData from arrays (validated like a file); run_id None = every row its own run; source_id None = one source."""
     loss_arr = np.atleast_1d(np.asarray(loss, dtype=float))
     n = loss_arr.shape[0]
 
@@ -99,9 +127,16 @@ def from_arrays(n_total: Any, tokens: Any, loss: Any, sparsity: Any = 0.0, granu
         _check_column(source, name, values)
     ids = np.arange(n).astype(str) if run_id is None else np.broadcast_to(np.asarray(run_id).astype(str), (n,))
     labels, index = np.unique(ids, return_inverse=True)
+    src = np.full(n, "") if source_id is None else np.broadcast_to(np.asarray(source_id).astype(str), (n,))
+    src_labels, src_index = np.unique(src, return_inverse=True)
+    pairs = np.unique(np.stack([index, src_index]), axis=1)
+    if pairs.shape[1] != labels.size:
+        run = labels[np.flatnonzero(np.bincount(pairs[0], minlength=labels.size) > 1)[0]]
+        raise FitDataError(f"{source}: run {run!r} has rows of two sources; a run's rows share one source")
+    digest = _hash_arrays(columns, ids if source_id is None else np.char.add(np.char.add(ids.astype(str), "\x01"), src))
     return RunData(columns["n_total"], columns["sparsity"], columns["tokens"], loss_arr, columns["granularity"],
-                   columns["weight"], index.astype(int), tuple(str(x) for x in labels), source,
-                   _hash_arrays(columns, ids))
+                   columns["weight"], index.astype(int), tuple(str(x) for x in labels), source, digest,
+                   src_index.astype(int), tuple(str(x) for x in src_labels))
 
 
 def _hash_arrays(columns: dict[str, np.ndarray], ids: np.ndarray) -> str:
@@ -146,6 +181,20 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def convert_csv(convert: Any, src: str | Path, dst: str | Path, missing: str, **kwargs: Any) -> Any:
+    """Read a public CSV, `convert(frame, **kwargs)` it to runs columns, write `dst` atomically; returns the frame."""
+    import pandas as pd
+
+    from scaling_fits.fitfile import write_text_atomic
+
+    src = Path(src)
+    if not src.is_file():
+        raise FitDataError(f"{src}: no such file; give {missing}")
+    out = convert(pd.read_csv(src), **kwargs)
+    write_text_atomic(Path(dst), out.to_csv(index=False, float_format="%.10g"))
+    return out
 
 
 def _read_table(path: Path) -> Any:
@@ -247,11 +296,34 @@ def load_runs(path: str | Path) -> RunData:
                 raise _row_error(source, name, values, ~(np.isnan(values) | (values >= 1)), "below 1",
                                  f"{name} counts experts, >= 1")
     run_id = frame["run_id"].astype(str).to_numpy() if "run_id" in has else None
-    data = from_arrays(n_total, tokens, loss, sparsity, granularity, weight, run_id, source)
+    source_id = None
+    if "source" in has:
+        if frame["source"].isna().any():
+            row = int(np.flatnonzero(frame["source"].isna().to_numpy())[0])
+            raise FitDataError(f"{source}: column 'source' row {row + 1} (data row, header not counted): empty; "
+                               "name the corpus/tokenizer of every row, or drop the column")
+        source_id = frame["source"].astype(str).to_numpy()
+    data = from_arrays(n_total, tokens, loss, sparsity, granularity, weight, run_id, source, source_id)
     if not np.any(data.weight > 0):
         raise FitDataError(f"{source}: every weight is 0; at least one row must count")
     return RunData(data.n_total, data.sparsity, data.tokens, data.loss, data.granularity, data.weight,
-                   data.run_index, data.run_ids, source, file_sha256(path))
+                   data.run_index, data.run_ids, source, file_sha256(path), data.source_index, data.source_names)
 
 
-__all__ = ["CARRIED", "KNOWN", "REQUIRED", "RunData", "file_sha256", "from_arrays", "load_runs"]
+def combine(parts: list[RunData], label: Optional[str] = None) -> RunData:
+    """One RunData from several (e.g. one per public source); runs and sources keep their labels."""
+    if not parts:
+        raise FitDataError("combine: no runs data given")
+    ids = np.concatenate([np.asarray(p.run_ids, dtype=object)[p.run_index] for p in parts]).astype(str)
+    src = np.concatenate([np.asarray(p.source_names, dtype=object)[p.source_index] for p in parts]).astype(str)
+    cat = {k: np.concatenate([getattr(p, k) for p in parts]) for k in
+           ("n_total", "sparsity", "tokens", "loss", "granularity", "weight")}
+    out = from_arrays(cat["n_total"], cat["tokens"], cat["loss"], cat["sparsity"], cat["granularity"], cat["weight"],
+                      ids, label or " + ".join(p.source for p in parts), src)
+    digest = hashlib.sha256("\x00".join(p.sha256 for p in parts).encode()).hexdigest()
+    return RunData(out.n_total, out.sparsity, out.tokens, out.loss, out.granularity, out.weight, out.run_index,
+                   out.run_ids, out.source, digest, out.source_index, out.source_names)
+
+
+__all__ = ["CARRIED", "KNOWN", "REQUIRED", "RunData", "combine", "convert_csv", "file_sha256", "from_arrays",
+           "load_runs"]

@@ -34,6 +34,7 @@ import numpy as np
 from scaling_fits.data import RunData
 from scaling_fits.errors import FitDataError
 from scaling_fits.laws import Law, field_name, formula_name, get_law
+from scaling_fits.model import Model, as_model
 
 Progress = Callable[[str, int, int], None]   # (stage, done, total)
 
@@ -52,11 +53,17 @@ class FitOptions:
     maxcor: int = 30              # L-BFGS memory (30 vs scipy's 10: ~30% fewer evaluations on the bundled data)
     best_rtol: float = 1e-6       # a start "reached the best" if its objective is within this of the best
     n_jobs: int = 1               # processes over starts (1 = in process)
+    per_source: tuple[str, ...] = ()          # constant coefficients fitted once per data source (e.g. ("e",))
+    reference_source: Optional[str] = None    # source whose values the law keeps (None: the first by name)
 
     def as_dict(self) -> dict[str, Any]:
         return {"n_starts": self.n_starts, "huber_delta": self.huber_delta, "seed": self.seed,
                 "fixed": dict(self.fixed), "maxiter": self.maxiter, "ftol": self.ftol, "gtol": self.gtol,
-                "maxcor": self.maxcor, "best_rtol": self.best_rtol, "n_jobs": self.n_jobs}
+                "maxcor": self.maxcor, "best_rtol": self.best_rtol, "n_jobs": self.n_jobs,
+                "per_source": list(self.per_source), "reference_source": self.reference_source}
+
+    def model(self, law: Law, data: RunData) -> Model:
+        return Model.for_data(law, data, tuple(self.per_source), self.reference_source)
 
 
 @dataclass(frozen=True)
@@ -78,20 +85,26 @@ class FitResult:
     """Best fit of one law to one data set."""
 
     law: Law
-    theta: np.ndarray               # full fit-space vector (fixed entries included)
+    theta: np.ndarray               # full fit-space vector (fixed entries included; per-source entries last)
     objective: float
     fixed: dict[str, float]         # formula name -> value
     options: FitOptions
     report: StartReport
     optima: np.ndarray              # distinct local optima (full theta), best first; warm starts for refits
     seconds: float
+    model: Optional[Model] = None   # law + per-source coefficients (None: the law alone)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            object.__setattr__(self, "model", Model(self.law))
 
     @property
     def params(self) -> Any:
-        return self.law.params_from_theta(self.theta)
+        """The law's parameters for the reference source."""
+        return self.law.params_from_theta(self.model.project(self.theta))
 
     def predict(self, data: RunData) -> np.ndarray:
-        return self.law.predict_theta(self.theta, data.n_total, data.sparsity, data.tokens, data.granularity)
+        return self.model.predict(self.theta, data)
 
 
 # ---------------------------------------------------------------------------
@@ -110,13 +123,19 @@ class Objective:
     (relative to max(|f|, 1)) does not end the search early.
     """
 
-    def __init__(self, law: Law, data: RunData, delta: float, fixed: Mapping[str, float],
+    def __init__(self, law: Law | Model, data: RunData, delta: float, fixed: Mapping[str, float],
                  weight: Optional[np.ndarray] = None):
         if not delta > 0:
             raise FitDataError(f"huber_delta must be > 0, got {delta}")
+        model = as_model(law)
+        law = model.law
+        self.model = model
         self.law = law
         self.delta = float(delta)
-        P = len(law.fields)
+        for name in fixed:
+            if name in model.per_source and model.extra:
+                raise FitDataError(f"'{name}' is fitted per source; it cannot also be held fixed")
+        P = model.n_params
         self.fixed_theta: dict[int, float] = {}
         dropped: set[int] = set()
         for name, value in fixed.items():
@@ -138,6 +157,7 @@ class Objective:
         # exponents that only appear in dropped terms are not identifiable: hold them at 0
         used = {law.index(t.coef) for k, t in enumerate(law.terms) if k in keep_terms}
         used |= {law.index(e) for k, t in enumerate(law.terms) if k in keep_terms for e, _ in t.powers}
+        used |= {model.column(c, s) for c, s in model.extra if law.index(c) in used}
         for i in range(P):
             if i not in used and i not in self.fixed_theta:
                 self.fixed_theta[i] = 0.0
@@ -159,6 +179,11 @@ class Objective:
                 F[row, :, ei] -= feats[feat] - (mu[feat] if centre else 0.0)
                 if centre:
                     M[ci, ei] -= mu[feat]
+            for c, s in model.extra:   # rows of another source read this constant from its own column
+                if term.coef == field_name(c):
+                    rows = data.source_index == s
+                    F[row, rows, model.column(c, s)] = F[row, rows, ci]
+                    F[row, rows, ci] = 0.0
         self.M = M
         self.M_inv = np.linalg.inv(M)
         self.shape = F.shape[:2]                                                        # (K, n)
@@ -176,7 +201,7 @@ class Objective:
         return clone
 
     def _finite_fixed(self) -> np.ndarray:
-        theta = np.zeros(len(self.law.fields))
+        theta = np.zeros(self.model.n_params)
         for i, v in self.fixed_theta.items():
             theta[i] = v if np.isfinite(v) else 0.0
         return theta
@@ -197,7 +222,7 @@ class Objective:
 
     def bounds(self) -> list[tuple[float, float]]:
         """Box bounds in optimiser coordinates (centred coefficients: widened by interval arithmetic)."""
-        b = self.law.theta_bounds()
+        b = self.model.theta_bounds()
         out = []
         for i in self.free:
             lo, hi = b[i]
@@ -233,7 +258,7 @@ def start_grid(obj: Objective, n_starts: int, seed: int) -> np.ndarray:
 
     if n_starts < 1:
         raise FitDataError(f"n_starts must be >= 1, got {n_starts}")
-    ranges = np.array([obj.law.theta_start_ranges()[i] for i in obj.free])
+    ranges = np.array([obj.model.theta_start_ranges()[i] for i in obj.free])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # Sobol balance warning for non-powers of two
         u = qmc.Sobol(d=len(obj.free), scramble=True, seed=seed).random(n_starts)
@@ -328,7 +353,8 @@ def fit(law: Law | str, data: RunData, options: Optional[FitOptions] = None,
     law = get_law(law) if isinstance(law, str) else law
     options = options or FitOptions()
     t0 = time.perf_counter()
-    obj = Objective(law, data, options.huber_delta, options.fixed)
+    model = options.model(law, data)
+    obj = Objective(model, data, options.huber_delta, options.fixed)
     bounds = obj.bounds()
     starts = start_grid(obj, options.n_starts, options.seed)
     done = [0]
@@ -350,12 +376,12 @@ def fit(law: Law | str, data: RunData, options: Optional[FitOptions] = None,
         outcomes = _run_starts(obj, starts, bounds, options, tick)
     x, f, report, optima = _summarise(obj, outcomes, options)
     fixed = {formula_name(field_name(k)): float(v) for k, v in options.fixed.items()}
-    return FitResult(law, obj.full_theta(x), f, fixed, options, report, optima, time.perf_counter() - t0)
+    return FitResult(law, obj.full_theta(x), f, fixed, options, report, optima, time.perf_counter() - t0, model)
 
 
 def refit(result: FitResult, data: RunData, weight: Optional[np.ndarray] = None, n_warm: int = 4) -> np.ndarray:
     """Refit from the best `n_warm` local optima of `result` (warm starts); returns full theta."""
-    obj = Objective(result.law, data, result.options.huber_delta, result.options.fixed, weight)
+    obj = Objective(result.model, data, result.options.huber_delta, result.options.fixed, weight)
     bounds = obj.bounds()
     starts = np.array([obj.free_part(t) for t in result.optima[:max(1, n_warm)]])
     outcomes = _run_starts(obj, starts, bounds, result.options)
@@ -366,9 +392,9 @@ def refit(result: FitResult, data: RunData, weight: Optional[np.ndarray] = None,
 # ---------------------------------------------------------------------------
 # uncertainty and honesty
 
-def mape(law: Law, theta: np.ndarray, data: RunData) -> float:
+def mape(law: Law | Model, theta: np.ndarray, data: RunData) -> float:
     """Mean absolute percentage error (fraction), weighted by the rows' weights."""
-    pred = law.predict_theta(theta, data.n_total, data.sparsity, data.tokens, data.granularity)
+    pred = as_model(law).predict(theta, data)
     ape = np.abs(pred / data.loss - 1.0)
     w = data.weight
     return float((w @ ape) / w.sum()) if w.sum() > 0 else float(ape.mean())
@@ -380,10 +406,10 @@ def bootstrap(result: FitResult, data: RunData, n_boot: int, seed: int = 0, n_wa
     if n_boot < 1:
         raise FitDataError(f"bootstrap count must be >= 1, got {n_boot}")
     rng = np.random.default_rng(seed)
-    obj = Objective(result.law, data, result.options.huber_delta, result.options.fixed)
+    obj = Objective(result.model, data, result.options.huber_delta, result.options.fixed)
     bounds = obj.bounds()
     starts = np.array([obj.free_part(t) for t in result.optima[:max(1, n_warm)]])
-    out = np.empty((n_boot, len(result.law.fields)))
+    out = np.empty((n_boot, result.model.n_params))
     for b in range(n_boot):
         counts = np.bincount(rng.integers(0, data.n_runs, data.n_runs), minlength=data.n_runs)
         boot = obj.with_weight(data.weight * counts[data.run_index])
@@ -394,11 +420,12 @@ def bootstrap(result: FitResult, data: RunData, n_boot: int, seed: int = 0, n_wa
     return out
 
 
-def intervals(law: Law, samples: np.ndarray, level: float = 0.95) -> dict[str, tuple[float, float]]:
+def intervals(law: Law | Model, samples: np.ndarray, level: float = 0.95) -> dict[str, tuple[float, float]]:
     """Percentile intervals of every parameter (natural units) from bootstrap samples."""
-    nat = law.natural(samples)
+    model = as_model(law)
+    nat = model.natural(samples)
     lo, hi = np.quantile(nat, [(1 - level) / 2, (1 + level) / 2], axis=0)
-    return {name: (float(a), float(b)) for name, a, b in zip(law.param_names, lo, hi)}
+    return {name: (float(a), float(b)) for name, a, b in zip(model.param_names, lo, hi)}
 
 
 def holdout_top(law: Law, data: RunData, options: FitOptions, fraction: float,
@@ -420,11 +447,18 @@ def holdout_top(law: Law, data: RunData, options: FitOptions, fraction: float,
             progress("holdout", done, total)
 
     res = fit(law, train, options, relay)
-    return {"fraction": fraction, "n_runs_held_out": n_hold, "n_points_held_out": test.n_points,
-            "min_compute_held_out_flops": float(compute[held].min()),
-            "max_compute_train_flops": float(compute[~held].max()),
-            "mape": mape(law, res.theta, test), "mape_train": mape(law, res.theta, train),
-            "params": dict(zip(law.param_names, map(float, law.natural(res.theta))))}
+    trained = np.isin(test.source_index, np.unique(train.source_index))
+    scored = test.subset_runs(np.isin(np.arange(test.n_runs), np.unique(test.run_index[trained])))
+    out = {"fraction": fraction, "n_runs_held_out": n_hold, "n_points_held_out": test.n_points,
+           "min_compute_held_out_flops": float(compute[held].min()),
+           "max_compute_train_flops": float(compute[~held].max()),
+           "mape": mape(res.model, res.theta, scored) if scored.n_points else None,
+           "mape_train": mape(res.model, res.theta, train),
+           "params": dict(zip(res.model.param_names, map(float, res.model.natural(res.theta))))}
+    if data.n_sources > 1:
+        out["mape_by_source"] = {data.source_names[s]: mape(res.model, res.theta, scored.subset_sources((data.source_names[s],)))
+                                 for s in np.unique(scored.source_index)}
+    return out
 
 
 def leave_one_out(result: FitResult, data: RunData, n_warm: int = 1,
@@ -435,7 +469,7 @@ def leave_one_out(result: FitResult, data: RunData, n_warm: int = 1,
         keep = np.ones(data.n_runs, dtype=bool)
         keep[r] = False
         theta = refit(result, data.subset_runs(keep), n_warm=n_warm)
-        errors[r] = mape(result.law, theta, data.subset_runs(~keep))
+        errors[r] = mape(result.model, theta, data.subset_runs(~keep))
         if progress is not None:
             progress("leave-one-out", r + 1, data.n_runs)
     worst = int(np.argmax(errors))
@@ -443,9 +477,120 @@ def leave_one_out(result: FitResult, data: RunData, n_warm: int = 1,
             "n_runs": data.n_runs, "warm_starts": n_warm}
 
 
-def residual_diagnostics(law: Law, theta: np.ndarray, data: RunData) -> dict[str, float]:
+IDENTIFIABILITY_LIMITS = {"relative_se": 0.25, "correlation": 0.9, "bound_tol": 1e-6}
+"""A parameter is flagged when its standard error exceeds 25% of its value (coefficients: 0.25 in log
+units; exponents: of max(|value|, 0.01)), i.e. its ~95% interval spans more than +-50%, or when it sits on
+a bound; partners are the parameters it correlates with at |r| >= 0.9."""
+
+
+def identifiability(result: FitResult, data: RunData,
+                    limits: Optional[Mapping[str, float]] = None) -> dict[str, Any]:
+    """Which parameters the data pin down, and which trade off (Gauss-Newton covariance at the optimum).
+
+    With r_i the log residuals and J = d log L_i / d theta (the softmax-weighted design rows, mapped from
+    the centred optimiser coordinates back to theta), Cov = s^2 (J^T W J)^+ with
+    s^2 = sum w r^2 / (sum w - p): the least-squares approximation of the estimator's spread. It is what
+    the data could tell apart, not a bootstrap interval (for the Huber loss s^2 is scaled by the
+    M-estimator's variance ratio, `huber_variance_ratio`): a flagged parameter's value is a trade-off
+    with its partners (only their combination is measured), so report the combination, not the number.
+    """
+    lim = {**IDENTIFIABILITY_LIMITS, **dict(limits or {})}
+    model = result.model
+    obj = Objective(model, data, result.options.huber_delta, result.options.fixed)
+    x = obj.free_part(result.theta)
+    names = model.param_names
+    bounds = model.theta_bounds()
+    at_bound: dict[str, str] = {}
+    for i in obj.free:
+        lo, hi = bounds[i]
+        v = result.theta[i]
+        if v - lo <= lim["bound_tol"] * max(1.0, abs(lo)):
+            at_bound[names[i]] = "lower"
+        elif hi - v <= lim["bound_tol"] * max(1.0, abs(hi)):
+            at_bound[names[i]] = "upper"
+    K, n = obj.shape
+    p = obj.free.size
+    T = (obj.F_free @ x).reshape(K, n) + obj.offset
+    m = T.max(axis=0)
+    E = np.exp(T - m)
+    soft = E / E.sum(axis=0)
+    r = m + np.log(E.sum(axis=0)) - obj.log_y
+    J = np.einsum("kn,knp->np", soft, obj.F_free.reshape(K, n, p)) @ obj.M[np.ix_(obj.free, obj.free)]
+    inner = np.array([names[i] not in at_bound for i in obj.free])
+    J = J[:, inner]
+    kept = [names[i] for i, k in zip(obj.free, inner) if k]
+    w = obj.weight
+    dof = float(w.sum()) - J.shape[1]
+    out: dict[str, Any] = {"method": "Gauss-Newton covariance of the log residuals at the optimum",
+                           "limits": lim, "relative_se": {}, "flagged": {}, "condition_number": None}
+    for name, side in at_bound.items():
+        out["flagged"][name] = {"reason": f"at its {side} bound (the data push it past the fit range)",
+                                "trades_off_with": []}
+    if not kept:
+        return out
+    H = J.T @ (w[:, None] * J)
+    scale = np.sqrt(np.maximum(np.diag(H), 0.0))
+    flat = scale <= 1e-12 * max(float(scale.max()), 1e-300)
+    for j in np.flatnonzero(flat):
+        out["flagged"][kept[j]] = {"reason": "no information: its term is ~0 or its input does not vary in the data",
+                                   "trades_off_with": []}
+    live = np.flatnonzero(~flat)
+    if live.size == 0:
+        return out
+    Hn = H[np.ix_(live, live)] / np.outer(scale[live], scale[live])
+    eig, vec = np.linalg.eigh(Hn)
+    null = eig <= 1e-10 * eig.max()
+    out["condition_number"] = float(eig.max() / eig.min()) if eig.min() > 0 else float("inf")
+    s2 = float(w @ (r * r)) / dof if dof > 0 else np.inf
+    # Huber, not least squares: scale by the M-estimator's variance ratio E[psi^2] / E[psi']^2 / sigma^2
+    # (Huber 1981, Robust Statistics, sec. 7.6), from the residuals; pi/2 (the median's) for delta << noise
+    psi = np.clip(r, -obj.delta, obj.delta)
+    inside = float(w @ (np.abs(r) < obj.delta)) / float(w.sum())
+    mean_r2 = float(w @ (r * r)) / float(w.sum())
+    ratio = (float(w @ (psi * psi)) / float(w.sum())) / inside ** 2 / mean_r2 if inside > 0 and mean_r2 > 0 else 1.0
+    out["huber_variance_ratio"] = float(ratio)
+    s2 *= max(ratio, 1.0)
+    inv = (vec[:, ~null] / eig[~null]) @ vec[:, ~null].T
+    cov = s2 * inv / np.outer(scale[live], scale[live])
+    se = np.sqrt(np.maximum(np.diag(cov), 0.0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        corr = cov / np.outer(se, se)
+    names_live = [kept[j] for j in live]
+    unmeasured: dict[str, list[list[Any]]] = {}
+    for v in vec[:, null].T:   # a direction the data do not see: only the orthogonal combination is measured
+        members = [k for k in np.argsort(-np.abs(v)) if abs(v[k]) > 0.1]
+        for k in members:
+            unmeasured.setdefault(names_live[k], []).extend(
+                [names_live[q], float(np.sign(v[k] * v[q]))] for q in members if q != k)
+    theta = result.theta
+    for j, name in enumerate(names_live):
+        i = names.index(name)
+        if name in unmeasured:
+            out["relative_se"][name] = float("inf")
+            out["flagged"][name] = {"reason": "not identified: the data measure only its combination with others",
+                                    "trades_off_with": unmeasured[name]}
+            continue
+        rel = se[j] if model.is_coef(i) else se[j] / max(abs(theta[i]), 0.01)
+        out["relative_se"][name] = float(rel)
+        partners = [[names_live[k], float(corr[j, k])] for k in np.argsort(-np.abs(np.nan_to_num(corr[j])))
+                    if k != j and abs(corr[j, k]) >= lim["correlation"]]
+        if not np.isfinite(rel) or rel > lim["relative_se"]:
+            out["flagged"][name] = {"reason": f"standard error {rel:.0%} of its value", "trades_off_with": partners}
+    return out
+
+
+def describe_identifiability(report: Mapping[str, Any]) -> str:
+    """One line naming the flagged parameters and their partners ('' when everything is identified)."""
+    parts = []
+    for name, item in report.get("flagged", {}).items():
+        partners = ", ".join(f"{other} (r={c:+.2f})" for other, c in item["trades_off_with"][:3])
+        parts.append(f"{name}: {item['reason']}" + (f"; trades off with {partners}" if partners else ""))
+    return "; ".join(parts)
+
+
+def residual_diagnostics(law: Law | Model, theta: np.ndarray, data: RunData) -> dict[str, float]:
     """Log residuals (pred/obs) summary and their correlation with the inputs (trends = misfit)."""
-    pred = law.predict_theta(theta, data.n_total, data.sparsity, data.tokens, data.granularity)
+    pred = as_model(law).predict(theta, data)
     r = np.log(pred) - np.log(data.loss)
     ape = np.abs(pred / data.loss - 1.0)
 
@@ -460,5 +605,6 @@ def residual_diagnostics(law: Law, theta: np.ndarray, data: RunData) -> dict[str
             "corr_log_tokens": corr(np.log(data.tokens)), "corr_sparsity": corr(data.sparsity)}
 
 
-__all__ = ["FitOptions", "FitResult", "Objective", "StartReport", "bootstrap", "fit", "holdout_top", "intervals",
-           "leave_one_out", "mape", "refit", "residual_diagnostics", "start_grid"]
+__all__ = ["IDENTIFIABILITY_LIMITS", "FitOptions", "FitResult", "Objective", "StartReport", "bootstrap",
+           "describe_identifiability", "fit", "holdout_top", "identifiability", "intervals", "leave_one_out", "mape",
+           "refit", "residual_diagnostics", "start_grid"]

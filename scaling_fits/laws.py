@@ -18,7 +18,10 @@ Each law has
 
 Sources: Hoffmann et al. 2022 (arXiv 2203.15556) for `chinchilla`; Krajewski et
 al. 2024 (arXiv 2402.07871) for `krajewski2024`; Abnar et al. 2025 (arXiv
-2501.12370) for `abnar2025`; the MOSAIC paper (arXiv 2608.10605) for `mosaic4d`.
+2501.12370) for `abnar2025`; the MOSAIC paper (arXiv 2608.10605) for `mosaic4d`;
+`mosaic4d_lg2` is mosaic4d with the granularity factor of Tian et al. 2025
+("Towards Greater Leverage", arXiv 2507.17702, eq. 11/13: a quadratic in log G,
+so there is an optimal granularity) in place of the power law G^-eta.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import numpy as np
 from scaling_fits.errors import FitDataError
 
 # Inputs a term can depend on (all logs, natural log).
-FEATURES = ("log_n_total", "log_n_active", "log_active_frac", "log_tokens", "log_g")
+FEATURES = ("log_n_total", "log_n_active", "log_active_frac", "log_tokens", "log_g", "log_g_sq")
 
 # Natural-unit bounds shared by the laws. Coefficients are fitted as their logs,
 # so a coefficient bound (lo, hi) is (exp(lo_log), exp(hi_log)).
@@ -161,6 +164,35 @@ class Mosaic4DParams(NamedTuple):
         return {"dense_irreducible": self.dense_irreducible, "granularity_factor_g8": self.granularity_factor_g8}
 
 
+class Mosaic4DLG2Params(NamedTuple):
+    """mosaic4d with G^-(eta + eta2 ln G) in the interaction term: log-quadratic in G (Tian et al. 2025)."""
+
+    a: float
+    alpha: float
+    b: float
+    beta: float
+    c: float
+    lambda_: float
+    j: float
+    delta: float
+    gamma: float
+    eta: float
+    eta2: float
+    e: float
+
+    BOUNDS = {**Mosaic4DParams.BOUNDS, "eta2": (-1.0, 1.0)}
+    START = {**Mosaic4DParams.START, "eta2": (-0.2, 0.2)}
+
+    @property
+    def optimal_granularity(self) -> float:
+        """G minimising the interaction term: exp(-eta / (2 eta2)) when eta2 < 0 (else inf: no optimum)."""
+        return float(np.exp(-self.eta / (2.0 * self.eta2))) if self.eta2 < 0 else float("inf")
+
+    @property
+    def derived(self) -> dict[str, float]:
+        return {"dense_irreducible": self.c + self.e, "optimal_granularity": self.optimal_granularity}
+
+
 # ---------------------------------------------------------------------------
 # Reference functions: the formulas as written (numpy broadcasting).
 
@@ -200,6 +232,15 @@ def mosaic4d(p: Mosaic4DParams, n_total: Any, sparsity: Any, tokens: Any, granul
     act = 1.0 - s
     return (p.a / n ** p.alpha + p.b / d ** p.beta + p.c / act ** p.lambda_
             + p.j / (act ** p.delta * n ** p.gamma * g ** p.eta) + p.e)
+
+
+def mosaic4d_lg2(p: Mosaic4DLG2Params, n_total: Any, sparsity: Any, tokens: Any, granularity: Any = 1.0) -> np.ndarray:
+    """mosaic4d with G^eta replaced by G^(eta + eta2 ln G) = exp(eta ln G + eta2 (ln G)^2)."""
+    n, s, d, g = _inputs(n_total, sparsity, tokens, granularity)
+    act = 1.0 - s
+    lg = np.log(g)
+    return (p.a / n ** p.alpha + p.b / d ** p.beta + p.c / act ** p.lambda_
+            + p.j / (act ** p.delta * n ** p.gamma * np.exp(p.eta * lg + p.eta2 * lg * lg)) + p.e)
 
 
 def check_inputs(n: np.ndarray, s: np.ndarray, d: np.ndarray, g: np.ndarray) -> None:
@@ -305,8 +346,9 @@ class Law:
         n, s, d, g = np.broadcast_arrays(n, s, d, g)
         log_act = np.log1p(-s)
         log_n = np.log(n)
+        log_g = np.log(g)
         return {"log_n_total": log_n, "log_n_active": log_n + log_act, "log_active_frac": log_act,
-                "log_tokens": np.log(d), "log_g": np.log(g)}
+                "log_tokens": np.log(d), "log_g": log_g, "log_g_sq": log_g * log_g}
 
     def design(self, feats: Mapping[str, np.ndarray]) -> np.ndarray:
         """F with log term_k = F[k] @ theta: shape (K, n, P) for 1-D features."""
@@ -389,6 +431,17 @@ LAWS: dict[str, Law] = {
         reference=mosaic4d,
         source="MOSAIC, arXiv 2608.10605",
     ),
+    "mosaic4d_lg2": Law(
+        name="mosaic4d_lg2",
+        formula="a/N_tot^alpha + b/D^beta + c/(1-S)^lambda + j/((1-S)^delta N_tot^gamma G^(eta + eta2 ln G)) + e",
+        params_type=Mosaic4DLG2Params,
+        terms=(Term("a", (("alpha", "log_n_total"),)), Term("b", (("beta", "log_tokens"),)),
+               Term("c", (("lambda_", "log_active_frac"),)),
+               Term("j", (("delta", "log_active_frac"), ("gamma", "log_n_total"), ("eta", "log_g"),
+                          ("eta2", "log_g_sq"))), Term("e")),
+        reference=mosaic4d_lg2,
+        source="MOSAIC law with the log-quadratic granularity factor of Tian et al. 2025, arXiv 2507.17702",
+    ),
 }
 
 
@@ -399,5 +452,5 @@ def get_law(name: str) -> Law:
 
 
 __all__ = ["FEATURES", "LAWS", "Abnar2025Params", "ChinchillaParams", "Krajewski2024Params", "Law",
-           "Mosaic4DParams", "Term", "abnar2025", "check_inputs", "chinchilla", "field_name", "formula_name",
-           "get_law", "krajewski2024", "mosaic4d"]
+           "Mosaic4DLG2Params", "Mosaic4DParams", "Term", "abnar2025", "check_inputs", "chinchilla", "field_name",
+           "formula_name", "get_law", "krajewski2024", "mosaic4d", "mosaic4d_lg2"]

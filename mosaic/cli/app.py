@@ -13,8 +13,10 @@ import typer
 from mosaic import __version__
 from mosaic.cli import calibrate as calibrate_cmd
 from mosaic.cli import clusters as clusters_cmd
+from mosaic.cli import data as data_cmd
 from mosaic.cli import export as export_cmd
 from mosaic.cli import fit as fit_cmd
+from mosaic.cli import ladder as ladder_cmd
 from mosaic.cli import plan as plan_cmd
 from mosaic.cli import predict as predict_cmd
 from mosaic.cli import sweep as sweep_cmd
@@ -57,6 +59,8 @@ app.command("predict", cls=Command)(predict_cmd.predict)
 app.command("sweep", cls=Command)(sweep_cmd.sweep)
 app.command("export", cls=Command)(export_cmd.export)
 app.command("fit", cls=Command)(fit_cmd.fit)
+app.add_typer(data_cmd.app, name="data")
+app.command("ladder", cls=Command)(ladder_cmd.ladder)
 
 
 def main() -> None:

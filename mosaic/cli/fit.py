@@ -13,7 +13,7 @@ from rich.table import Table
 from mosaic.cli.common import cli_errors, console, err_console, print_json
 from perfmodel.errors import InputError
 
-LAW_NAMES = ("mosaic4d", "chinchilla", "krajewski2024", "abnar2025")
+LAW_NAMES = ("mosaic4d", "mosaic4d_lg2", "chinchilla", "krajewski2024", "abnar2025")
 
 
 def _parse_fixed(items: list[str]) -> dict[str, float]:
@@ -58,6 +58,11 @@ def fit(
     seed: int = typer.Option(0, "--seed", help="Seed of the start grid and the bootstrap."),
     jobs: int = typer.Option(1, "--jobs", help="Processes over starts (pays on large grids; see benchmarks/fit_speed.py)."),
     ci_level: float = typer.Option(0.95, "--ci-level", help="Bootstrap percentile interval level."),
+    per_source: list[str] = typer.Option([], "--per-source", help="Fit this constant coefficient once per data source "
+                                         "(the runs file's 'source' column), e.g. --per-source e: one irreducible "
+                                         "loss per corpus/tokenizer, everything else shared."),
+    reference_source: Optional[str] = typer.Option(None, "--reference-source", help="With --per-source: the source "
+                                                   "whose values the written law keeps (default: the first by name)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Fit a scaling law to runs: parameters with bootstrap intervals, in-sample, held-out and leave-one-out MAPE."""
@@ -65,7 +70,7 @@ def fit(
 
     try:
         _fit(runs, law, output, n_boot, holdout_top, loo, plot, starts, huber_delta, fix, seed, jobs, ci_level,
-             json_output)
+             json_output, tuple(per_source), reference_source)
     except FitDataError as exc:
         raise InputError(str(exc)) from None
 
@@ -77,7 +82,8 @@ def _check_out(path: Optional[Path], what: str) -> None:
 
 def _fit(runs: Path, law: str, output: Optional[Path], n_boot: int, holdout_top: float, loo: bool,
          plot: Optional[Path], starts: int, huber_delta: float, fix: list[str], seed: int, jobs: int,
-         ci_level: float, json_output: bool) -> None:
+         ci_level: float, json_output: bool, per_source: tuple[str, ...] = (),
+         reference_source: Optional[str] = None) -> None:
     from scaling_fits.data import load_runs
     from scaling_fits.fitfile import write_fit
     from scaling_fits.fitter import FitOptions
@@ -99,7 +105,8 @@ def _fit(runs: Path, law: str, output: Optional[Path], n_boot: int, holdout_top:
     _check_out(plot, "--plot")
     fixed = _parse_fixed(fix)
     data = load_runs(runs)
-    options = FitOptions(n_starts=starts, huber_delta=huber_delta, seed=seed, fixed=fixed, n_jobs=jobs)
+    options = FitOptions(n_starts=starts, huber_delta=huber_delta, seed=seed, fixed=fixed, n_jobs=jobs,
+                         per_source=per_source, reference_source=reference_source)
 
     with Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True, disable=json_output) as bar:
@@ -129,6 +136,8 @@ def _fit(runs: Path, law: str, output: Optional[Path], n_boot: int, holdout_top:
             "mape_holdout": m.get("mape_holdout"),
             "mape_loo": m.get("mape_loo"),
             "fixed": list(fitted.fixed),
+            "not_identified": fitted.metrics["identifiability"]["flagged"],
+            "sources": m.get("sources"),
             "starts": m["starts"],
             "n_points": m["n_points"],
             "n_runs": m["n_runs"],
@@ -144,6 +153,9 @@ def _fit(runs: Path, law: str, output: Optional[Path], n_boot: int, holdout_top:
     for name, value in fitted.params.items():
         if name in fitted.fixed:
             interval = "fixed (prior)"
+        elif name in m["identifiability"]["flagged"]:
+            lo_hi = fitted.ci.get(name)
+            interval = (f"[{_fmt(lo_hi[0])}, {_fmt(lo_hi[1])}] " if lo_hi else "") + "NOT IDENTIFIED"
         elif name in fitted.ci:
             lo, hi = fitted.ci[name]
             interval = f"[{_fmt(lo)}, {_fmt(hi)}]"
@@ -162,6 +174,17 @@ def _fit(runs: Path, law: str, output: Optional[Path], n_boot: int, holdout_top:
     if m.get("mape_loo") is not None:
         line += f", leave-one-run-out {_pct(m['mape_loo'])}"
     console.print(line, highlight=False)
+    for name, item in (m.get("sources") or {}).items():
+        values = ", ".join(f"{c} {_fmt(item[c])}" + (f" [{_fmt(item[c + '_ci'][0])}, {_fmt(item[c + '_ci'][1])}]"
+                                                        if c + "_ci" in item else "") for c in per_source)
+        console.print(f"source {name}{' (reference)' if item['reference'] else ''}: {item['n_runs']} runs, {values}, "
+                      f"MAPE {_pct(item['mape_in_sample'])}", highlight=False)
+    from scaling_fits.fitter import describe_identifiability
+
+    flagged = describe_identifiability(m["identifiability"])
+    if flagged:
+        console.print(f"not identified by these runs (report the measured combination, not the numbers): {flagged}",
+                      highlight=False)
     r = m["residuals"]
     console.print(f"residuals: max APE {_pct(r['max_ape'])}, mean log residual {r['mean_log_residual']:+.4f}, "
                   f"corr. with log C {r['corr_log_compute']:+.2f}, with S {r['corr_sparsity']:+.2f}", highlight=False)

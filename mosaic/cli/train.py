@@ -27,6 +27,7 @@ from mosaic.trainer.config import (
     RunConfig,
     TrainOptions,
     check_runnable,
+    eval_limits,
     load_model_file,
     load_run_config,
     same_run,
@@ -118,6 +119,9 @@ def build_config(*, plan: Optional[Path], model: Optional[Path], layout: Optiona
         spec = load_cluster(cluster_name)
     spec.accelerator.peak(precision)  # the cluster must know the compute precision's peak
     train = from_mapping(TrainOptions, options)
+    problems = eval_limits(train, resolved)
+    if problems:
+        raise InputError("; ".join(problems))
     return RunConfig(model=arch, layout=resolved, cluster=cluster_name, device=device, world_size=devices,
                      precision=precision, out_dir=str(out), train=train, versions=_versions(device))
 
@@ -171,25 +175,50 @@ def train(
     out: Path = typer.Option(Path("runs/train"), "--out", help="Run folder: run.yaml, metrics.jsonl, checkpoints/."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in --out."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Checkpoint every N steps (0: at the end)."),
+    checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint", help="--no-checkpoint saves none (throughput "
+                                    "runs: a checkpoint holds 16 bytes per parameter)."),
     seed: int = typer.Option(0, "--seed", help="Seed of weights and synthetic data."),
     lr: float = typer.Option(3e-3, "--lr", help="Peak learning rate (AdamW, cosine to 10%)."),
     warmup: int = typer.Option(0, "--warmup", help="Linear warm-up steps."),
     router: str = typer.Option("softmax", "--router", help="softmax (aux loss) or sigmoid (DeepSeek-V3 bias balancing)."),
     experts: str = typer.Option("grouped", "--experts", help="grouped (grouped GEMM) or loop (reference)."),
     data: str = typer.Option("synthetic", "--data", help="'synthetic' or a token file NAME.bin (+ NAME.idx.npz)."),
+    val_data: str = typer.Option("", "--val-data", help="Held-out token file for the validation loss (e.g. the val.bin "
+                                 "of `mosaic data prepare`); reported in metrics.jsonl and summary.json."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Validate every N steps (0: at the last step)."),
+    eval_batches: int = typer.Option(0, "--eval-batches", help="Micro-batches per rank per validation (0: whole file)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress display on rank 0."),
 ) -> None:
     """Train a plan's model with its layout (data, tensor, pipeline, expert parallel) and write metrics.jsonl."""
-    options = {"steps": steps, "resume": resume, "checkpoint_every": checkpoint_every, "seed": seed, "lr": lr,
-               "warmup_steps": warmup, "router": router, "experts": experts, "data": data, "progress": progress}
+    options = {"steps": steps, "resume": resume, "checkpoint": checkpoint, "checkpoint_every": checkpoint_every,
+               "seed": seed, "lr": lr, "warmup_steps": warmup, "router": router, "experts": experts, "data": data,
+               "progress": progress, "val_data": val_data, "eval_every": eval_every, "eval_batches": eval_batches}
     config = build_config(plan=plan, model=model, layout=layout, nproc=nproc, device=device, cluster=cluster,
                           out=out, options=options)
     if data != "synthetic":
         from mosaic.trainer.data import make_source
 
         make_source(data, config.model.vocab_size, config.model.seq_len, seed)  # check the file before launching
+    if val_data:
+        from mosaic.trainer.data import make_source
+
+        make_source(val_data, config.model.vocab_size, config.model.seq_len, seed)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     run_yaml = prepare_out_dir(config) if rank0 else Path(config.out_dir) / "run.yaml"
     launch(config, run_yaml)
     if rank0:
         console.print(f"metrics: {Path(config.out_dir) / 'metrics.jsonl'}")
+        _print_summary(Path(config.out_dir) / "summary.json")
+
+
+def _print_summary(path: Path) -> None:
+    """End-of-run summary: final training loss and, with --val-data, the held-out loss."""
+    import json
+
+    if not path.is_file():
+        return
+    summary = json.loads(path.read_text())
+    line = f"final training loss {summary['final_loss']:.4f}"
+    if "final_val_loss" in summary:
+        line += f", validation loss {summary['final_val_loss']:.4f} on {summary['val_tokens']:,} held-out tokens"
+    console.print(line + f", {summary['mean_tokens_per_s']:,.0f} tokens/s", highlight=False)

@@ -31,6 +31,7 @@ import numpy as np
 
 import perfmodel
 from perfmodel.memory import stage_memory
+from perfmodel.schedule import pipeline_stages
 from perfmodel.specs.architecture import ArchBatch
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LAYOUT_FIELDS, RECOMPUTE_MODES, LayoutBatch, gbs_holding_tokens
@@ -56,7 +57,7 @@ def memory_per_device(archs: ArchBatch, lays: LayoutBatch, cluster: ClusterSpec)
 def recompute_siblings(grid: LayoutBatch) -> list[np.ndarray]:
     """For each layout, the indices of the same layout with less recompute (-1 where absent)."""
     key_fields = [f for f in LAYOUT_FIELDS if f not in ("recompute", "gbs")]
-    keys = np.stack([np.asarray(getattr(grid, f), dtype=np.int64) for f in key_fields], axis=1)
+    keys = grid.key_columns(key_fields)
     _, group = np.unique(keys, axis=0, return_inverse=True)
     group = group.ravel()
     rec = np.asarray(grid.recompute)
@@ -143,7 +144,7 @@ class PairEvaluator:
         self.hbm = cluster.accelerator.usable_hbm_bytes
         self.siblings = recompute_siblings(grid)
         key_fields = [f for f in LAYOUT_FIELDS if f not in STATIC_FREE_FIELDS]
-        keys = np.stack([np.asarray(getattr(grid, f), dtype=np.int64) for f in key_fields], axis=1)
+        keys = grid.key_columns(key_fields)
         _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         self.key_grid = dataclasses.replace(grid.take(first), gbs=np.asarray(grid.mbs)[first] * np.asarray(grid.dp)[first])
         self.key_of_layout = inverse.ravel()
@@ -157,11 +158,11 @@ class PairEvaluator:
         g = np.repeat(geo_index, n_k)
         k = np.tile(np.arange(n_k), n_g)
         archs, lays = self.archs.take(g), self.key_grid.take(k)
-        per_stage = []
-        for st in ("first", "last"):
-            parts = stage_memory(archs, lays, self.cluster, st)
-            per_stage.append(sum(parts[c] for c in STATIC_COMPONENTS))
-        static = np.maximum(per_stage[0], per_stage[1]).reshape(n_g, n_k)
+        static = np.zeros(n_g * n_k)
+        for stage in pipeline_stages(archs, lays):
+            parts = stage_memory(archs, lays, self.cluster, stage)
+            static = np.maximum(static, sum(parts[c] for c in STATIC_COMPONENTS))
+        static = static.reshape(n_g, n_k)
         return static[:, self.key_of_layout]
 
     def pairs(self, geo_index: np.ndarray) -> tuple[ArchBatch, LayoutBatch, np.ndarray, np.ndarray]:

@@ -26,7 +26,7 @@ from mosaic.planner.budget import Budget, compute_optimal_flops, goodput, make_b
 from mosaic.planner.candidates import GeometryResults, PairEvaluator
 from mosaic.planner.space import GeometrySet, ResolvedSpace, SearchSpace, geometries, layout_grid, load_space, resolve_space
 from perfmodel.errors import InputError
-from perfmodel.specs.architecture import attention_flops_per_token, model_flops_per_token
+from perfmodel.specs.architecture import model_flops_per_token
 from perfmodel.specs.cluster import ClusterSpec
 
 CHUNK_PAIRS = 65536
@@ -63,12 +63,13 @@ class Problem:
         return np.asarray(tokens_per_s, dtype=float) * self.eta * self.budget.wall_time_s
 
     def mfu_cap(self) -> np.ndarray:
-        """MFU_g <= min(1, eff_max x F_g / (F_g - F_attn,g)) (see enumerate)."""
+        """MFU_g <= min(1, the largest e_max of any GEMM or attention kernel): MFU counts the FLOPs
+        the kernels execute (causal attention halved), each at most its kernel's e_max of a peak
+        no higher than the GEMMs' (see enumerate)."""
         acc = self.cluster.accelerator
-        eff = max(acc.max_gemm_efficiency(self.space.layout.precision), 1e-12)
-        fpt = self.flops_per_token
-        attn = np.asarray(attention_flops_per_token(self.geoms.archs), dtype=float)
-        return np.minimum(1.0, eff * fpt / np.maximum(fpt - attn, 1e-30))
+        precisions = self.space.layout.precision
+        eff = max(acc.max_gemm_efficiency(precisions), acc.max_attention_efficiency(precisions), 1e-12)
+        return np.full(len(self.flops_per_token), min(1.0, eff))
 
     def max_peak(self) -> float:
         """Highest dense peak FLOP/s over the space's precisions the part has."""

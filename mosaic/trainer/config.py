@@ -57,6 +57,16 @@ class TrainOptions:
     """grouped: one grouped GEMM over tokens sorted by expert; loop: the readable reference."""
     data: str = "synthetic"
     """'synthetic' (seeded Markov tokens) or a token file NAME.bin with its NAME.idx.npz index."""
+    checkpoint: bool = True
+    """Save checkpoints (every `checkpoint_every` steps and at the end); False saves none: a
+    throughput run of a model of billions of parameters would otherwise write its weights and
+    optimizer state (16 bytes a parameter) at its end."""
+    val_data: str = ""
+    """Held-out token file NAME.bin for the validation loss ('' = none; `mosaic data prepare` writes val.bin)."""
+    eval_every: int = 0
+    """Validation every N steps (0: at the last step only); needs val_data."""
+    eval_batches: int = 0
+    """Micro-batches of mbs sequences per data-parallel rank per validation (0: the whole file, every chunk once)."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end of the run)."""
     keep_checkpoints: int = 2
@@ -73,7 +83,14 @@ class TrainOptions:
         check(self.weight_decay >= 0 and self.grad_clip >= 0, "weight_decay", "must be >= 0", "give 0 or a positive value")
         check(self.aux_loss_coef >= 0 and self.bias_update_rate >= 0, "aux_loss_coef", "must be >= 0", "give 0 or a positive value")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0", "give 0 (end only) or a step interval")
+        check(self.checkpoint or self.checkpoint_every == 0, "checkpoint_every",
+              f"{self.checkpoint_every} asks for checkpoints that checkpoint=false (--no-checkpoint) turns off",
+              "drop one of them")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1", "keep at least one checkpoint")
+        check(self.eval_every >= 0 and self.eval_batches >= 0, "eval_every", "must be >= 0",
+              "give 0 (at the end / the whole file) or a positive count")
+        check(bool(self.val_data) or self.eval_every == 0, "eval_every", "needs val_data",
+              "give --val-data NAME.bin (e.g. the val.bin of `mosaic data prepare`)")
 
 
 @dataclass(frozen=True)
@@ -118,9 +135,7 @@ def trainer_precision(layout: ParallelLayout, device: str) -> str:
             raise InputError(f"layout: precision=fp8 needs a cuda GPU with fp8 tensor cores and torchao; on {device} "
                              f"the trainer {'computes in fp32' if device == 'cpu' else 'has no fp8 kernels'}: use "
                              f"precision={'fp32' if device == 'cpu' else 'bf16'}")
-        import importlib.util
-
-        if importlib.util.find_spec("torchao") is None:
+        if not _has_module("torchao"):
             raise InputError("layout: precision=fp8 trains through torchao, which is not installed; "
                              "pip install torchao, or use precision=bf16")
         if layout.tp > 1:
@@ -132,9 +147,28 @@ def trainer_precision(layout: ParallelLayout, device: str) -> str:
     return "fp32" if layout.precision == "fp32" else "bf16"
 
 
+def unsupported_features(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
+    """Model and layout features the bundled trainer does not implement (one message each): MTP,
+    MLA with tensor parallel, the allgather / fused dispatchers, capacity factors."""
+    problems = []
+    if model.n_mtp_layers > 0:
+        problems.append(f"n_mtp_layers={model.n_mtp_layers}: multi-token prediction is not implemented in the bundled "
+                        "trainer; set n_mtp_layers: 0, or export the plan (mosaic export --format megatron)")
+    if model.kv_lora_rank > 0 and layout.tp > 1:
+        problems.append(f"kv_lora_rank={model.kv_lora_rank} (multi-head latent attention) with tp={layout.tp}: the "
+                        "bundled trainer's tensor parallel covers standard attention only; use tp=1")
+    if layout.dispatcher != "alltoall":
+        problems.append(f"dispatcher={layout.dispatcher}: the bundled trainer dispatches tokens with all_to_all_single; "
+                        "set dispatcher=alltoall")
+    if layout.capacity_factor is not None:
+        problems.append(f"capacity_factor={layout.capacity_factor:g}: the bundled trainer routes dropless; "
+                        "leave capacity_factor out")
+    return problems
+
+
 def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
     """What this trainer cannot run, beyond the shared validity rules (one message per reason)."""
-    problems = []
+    problems = unsupported_features(model, layout)
     if layout.cp > 1:
         problems.append(f"cp={layout.cp}: context parallel is not implemented in the bundled trainer; use cp=1")
     if layout.tp > 1:
@@ -157,7 +191,34 @@ def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
         elif layout.vpp > 1 and m % max(1, m // layout.pp):
             problems.append(f"vpp={layout.vpp}: interleaved 1F1B needs the micro-batches m={m} to be a multiple "
                             f"of m // pp = {m // layout.pp}; use m a multiple of pp={layout.pp}")
+    if (layout.dp or 1) > 1 and layout.dp_flavor == "ddp" and (layout.tp > 1 or layout.pp > 1) \
+            and not _has_module(REPLICATE_MODULE):
+        problems.append(f"dp_flavor=ddp with tp or pp > 1 runs through FSDP2's replicate ({REPLICATE_MODULE}), "
+                        "which this torch lacks (torch 2.6 has none); use dp_flavor=zero1 or fsdp, or a newer torch")
     return problems
+
+
+def eval_limits(train: TrainOptions, layout: ParallelLayout) -> list[str]:
+    """What the trainer's validation cannot run (one message per reason)."""
+    problems = []
+    if train.val_data and layout.pp > 1:
+        problems.append(f"val_data with pp={layout.pp}: validation runs the model outside the pipeline schedule, "
+                        "which the bundled trainer does not do; validate with pp=1 or drop --val-data")
+    return problems
+
+
+REPLICATE_MODULE = "torch.distributed._composable.replicate_with_fsdp"
+"""FSDP2's DDP (`parallelize.apply_dp` uses it under tensor or pipeline parallel); not in torch 2.6."""
+
+
+def _has_module(name: str) -> bool:
+    """`name` is importable (False as well where torch itself is missing: the trainer then says so)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def check_runnable(model: MoEArchitecture, layout: ParallelLayout, devices: int) -> ParallelLayout:

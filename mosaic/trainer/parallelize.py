@@ -285,8 +285,11 @@ def apply_dp(model: Transformer, meshes: Meshes, flavor: str, root: Optional[nn.
         # DistributedDataParallel takes neither DTensor (tensor-parallel) parameters nor the
         # pipeline schedule's shape-inference backward; FSDP2's replicate() is DDP (replicated
         # weights, gradients averaged over dp) that does.
-        from torch.distributed._composable.replicate_with_fsdp import replicate
+        import importlib
 
+        from mosaic.trainer.config import REPLICATE_MODULE
+
+        replicate = importlib.import_module(REPLICATE_MODULE).replicate  # checked before launch (trainer_limits)
         for block in model.layers.values():
             replicate(block, mesh=meshes.dp_mesh, ignored_params=experts)
         replicate(root, mesh=meshes.dp_mesh, ignored_params=experts)

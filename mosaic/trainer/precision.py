@@ -41,8 +41,13 @@ def _fp8_filter(module: nn.Module, fqn: str) -> bool:
 
 
 def apply_fp8(model: nn.Module, device: torch.device) -> int:
-    """Swap eligible nn.Linear layers for torchao Float8Linear; returns how many were swapped."""
+    """Swap eligible nn.Linear layers for torchao Float8Linear on an fp8-capable `device`; returns how many."""
     check_fp8_device(device)
+    return convert_fp8(model)
+
+
+def convert_fp8(model: nn.Module) -> int:
+    """Swap the nn.Linear layers `_fp8_filter` admits for torchao Float8Linear; returns how many were swapped."""
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError:  # checked before launch too; a rank's environment may differ

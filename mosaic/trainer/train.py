@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from calibration.timing import synchronize
 from mosaic.trainer import checkpoint
 from mosaic.trainer.config import RunConfig, load_run_config
 from mosaic.trainer.data import collate, make_source, rank_sample_indices
@@ -36,6 +37,7 @@ from mosaic.trainer.parallelize import (
 )
 from mosaic.trainer.pipeline import Pipeline, apply_pp
 from mosaic.trainer.precision import apply_fp8, autocast_context
+from mosaic.trainer.validation import validation_loss
 from perfmodel.clusters import load_cluster
 from perfmodel.specs.strict import write_text_atomic
 
@@ -89,6 +91,15 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
     return torch.optim.AdamW(groups, lr=config.train.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
 
 
+def build_model(arch: Any, opts: Any, device: torch.device) -> Transformer:
+    """The model, its parameters created and initialised on `device` (the same weights on every
+    rank of one device type: each seeds its generator alike). Built there rather than on the host
+    and copied: the host's normal_ fills about 3e7 values a second, minutes for a model of a few
+    billion parameters, which a GPU does in well under a second."""
+    with torch.device(device):
+        return Transformer(arch, router=opts.router, experts_impl=opts.experts)
+
+
 def _update_router_bias(layers: list[Any], global_load: torch.Tensor, rate: float) -> None:
     """DeepSeek-V3 aux-loss-free balancing: b_i += rate * sign(mean load - load_i)."""
     for moe, load in zip(layers, global_load):
@@ -125,8 +136,7 @@ def run(config: RunConfig, keep_process_group: bool = False) -> list[dict[str, A
     out = Path(config.out_dir)
 
     meshes = build_meshes(layout, device.type)
-    model = Transformer(arch, router=opts.router, experts_impl=opts.experts)  # same weights on every rank (seed)
-    model.to(device)
+    model = build_model(arch, opts, device)
     if config.precision == "fp8":
         apply_fp8(model, device)
     pipe: Optional[Pipeline] = None
@@ -149,6 +159,9 @@ def run(config: RunConfig, keep_process_group: bool = False) -> list[dict[str, A
             start_step = checkpoint.load(latest, module, optimizer, meshes)
     log = MetricsLog(out / "metrics.jsonl", start_step) if rank == 0 else None
     source = make_source(opts.data, arch.vocab_size, arch.seq_len, opts.seed)
+    val_source = make_source(opts.val_data, arch.vocab_size, arch.seq_len, opts.seed) if opts.val_data else None
+    eval_s = 0.0
+    val_rows: list[tuple[int, float, int]] = []
     dp_rank = meshes.dp_rank
     micro_batches = layout.gbs // (layout.mbs * meshes.dp)
     autocast = autocast_context(config.precision, device)
@@ -212,21 +225,33 @@ def run(config: RunConfig, keep_process_group: bool = False) -> list[dict[str, A
             dist.all_reduce(stats)  # NOTE: host-device sync below (.tolist())
             global_load = stats[2:].view_as(loads)
             _update_router_bias(layers, global_load[moe_rows], opts.bias_update_rate)
+            synchronize(device)  # the step's kernels are done before the clock is read (cuda/npu are asynchronous)
             step_time = time.perf_counter() - t0
             a2a_s += A2ATimer.take()
+            val_loss = None
+            if val_source is not None and (step + 1 == opts.steps or (opts.eval_every and (step + 1) % opts.eval_every == 0)):
+                t_eval = time.perf_counter()
+                val_loss, val_tokens = validation_loss(module, val_source, meshes, device, layout.mbs, autocast,
+                                                       opts.eval_batches)
+                eval_s += time.perf_counter() - t_eval
+                A2ATimer.take()
+                val_rows.append((step + 1, val_loss, val_tokens))
             if rank == 0:
                 loss, aux_total = (stats[:2] / torch.tensor([n_global_f, micro_batches * meshes.dp], dtype=torch.float64)).tolist()
                 load = global_load.double()
                 imbalance = float((load.max(1).values / load.mean(1)).mean()) if load.numel() else 1.0
                 row = step_metrics(step=step + 1, loss=loss, aux_loss=aux_total, step_time_s=step_time,
                                    tokens=layout.gbs * arch.seq_len, arch=arch, world=world, peak_flops_per_s=peak,
-                                   peak_memory_bytes=peak_memory_bytes(config.device), expert_imbalance=imbalance)
+                                   peak_memory_bytes=peak_memory_bytes(config.device), expert_imbalance=imbalance,
+                                   val_loss=val_loss)
                 log.append(row)
                 rows.append(row)
                 if progress:
-                    progress.update(task, advance=1, description=f"loss {loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
-                                    f"MFU {row['mfu']:.1%}")
-            if (opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0) or step + 1 == opts.steps:
+                    val = f"  val {val_rows[-1][1]:.4f}" if val_rows else ""
+                    progress.update(task, advance=1, description=f"loss {loss:.4f}{val}  {row['tokens_per_s']:,.0f} "
+                                    f"tok/s  MFU {row['mfu']:.1%}")
+            if opts.checkpoint and ((opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0)
+                                    or step + 1 == opts.steps):
                 checkpoint.save(out, step + 1, module, optimizer, meshes, opts.keep_checkpoints)
     if rank == 0 and rows:
         timed = rows[1:] or rows  # the first step includes warm-up
@@ -237,6 +262,9 @@ def run(config: RunConfig, keep_process_group: bool = False) -> list[dict[str, A
             "all_to_all_share": a2a_s / sum(r["step_time_s"] for r in rows),
             "final_loss": rows[-1]["loss"],
         }
+        if val_rows:
+            summary.update({"final_val_loss": val_rows[-1][1], "val_tokens": val_rows[-1][2],
+                            "val_data": opts.val_data, "eval_seconds": eval_s})
         write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     dist.barrier()
     if not keep_process_group:

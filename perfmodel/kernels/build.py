@@ -50,6 +50,14 @@ GENERATED_HEADER = (
     "# rerun; a test checks this file equals what they give.\n"
 )
 SOURCE_LIMIT = 6
+MIN_SHAPE_ROWS = 8
+"""Shaped dense rows (not best-of-search) a generation needs to fit shape halves of its own."""
+SHAPE_GENERATION = "hopper"
+"""The generation with the most measured GEMM shapes (DeepGEMM's H800/H100 tables); its halves
+stand in for a generation that measured too few shapes (the tile-and-wave structure of a
+tensor-core GEMM, not its peak)."""
+GROUPED_OWN_HALVES = 20
+"""Shaped grouped-GEMM rows a generation needs for grouped shape halves of its own."""
 """Sources listed per figure (the rest counted)."""
 
 
@@ -103,7 +111,7 @@ class TableSet:
         self.nearest = dict(derive.NEAREST) | {
             acc: ((m.like, 1.0, m.reason),) if m.like else () for acc, m in measured.items()}
         self.per_precision = set(derive.HALVES_PER_PRECISION) | set(measured)
-        """Generations whose GEMM shape halves are fitted per precision."""
+        """Generations whose GEMM shape halves are fitted per precision (their family is the precision)."""
         self.cpus = {a for a, g in self.generation.items() if g == "cpu"} | {a for a, m in measured.items() if m.cpu}
         self.acc_of = {name: derive.TABLE_ACCELERATOR.get(name, name) for name in self.sheets}
         self.peaks: dict[tuple[str, str], float] = {}
@@ -117,12 +125,16 @@ class TableSet:
         self._gemm: dict[tuple[str, bool], tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]] = {}
         self._attention: dict[tuple[str, Optional[str]], Optional[FitResult]] = {}
         self._span: dict[tuple[str, str], Optional[SpanFit]] = {}
+        self.borrowed_halves: set[tuple[str, str]] = set()
+        """(generation, family) pairs whose dense shape halves are SHAPE_GENERATION's."""
+        self._copy: dict[str, tuple[float, float]] = {}
+        self.tied_halves: set[tuple[str, str]] = set()
+        """(generation, family) pairs measured on squares only: one half for m, n and k."""
 
-    def family(self, acc: str, precision: str) -> tuple[str, str]:
-        """The GEMM fit family of (acc, precision): (its generation, the precision where the
-        generation fits halves per precision, else "")."""
-        generation = self.generation[acc]
-        return (generation, precision if generation in self.per_precision else "")
+    def family(self, generation: str, precision: str) -> str:
+        """The GEMM fit family of `precision` in `generation`: the precision itself where the
+        generation fits halves per precision (`per_precision`), else `derive.HALVES_FAMILY`'s."""
+        return precision if generation in self.per_precision else derive.HALVES_FAMILY[precision]
 
     def peers(self, acc: str) -> list[str]:
         """Accelerators a figure of `acc` may fall back to when no rule names one: those of its kind
@@ -138,42 +150,52 @@ class TableSet:
             self._memory[acc] = fit_memory(rows, self.hbm[acc]) if len(rows) else ({}, float("nan"))
         return self._memory[acc]
 
-    def copy_fraction(self, acc: str) -> float:
-        fits, _ = self.memory(acc)
-        if "copy" in fits:
-            return fits["copy"].params["fraction"]
-        for other, _, _ in self.nearest.get(acc, ()):
-            if other in self.hbm:
-                fits, _ = self.memory(other)
-                if "copy" in fits:
-                    return fits["copy"].params["fraction"]
-        return 0.9
+    def copy_figures(self, acc: str) -> tuple[float, float]:
+        """(copy fraction of HBM bandwidth, bytes_half) of `acc` as its cluster file will state
+        them (`memory_figures`): a GEMM's memory side is priced at that copy fraction in a step
+        (`HardwareView.operand_seconds`), so the GEMM fit uses it too."""
+        if acc not in self._copy:
+            record = memory_figures(self, acc)
+            self._copy[acc] = (float(record["fraction"]["copy"]), float(record["bytes_half"]))
+        return self._copy[acc]
 
     # -- GEMM --------------------------------------------------------------------------------
-    def gemm(self, family: tuple[str, str], grouped: bool
+    def gemm(self, generation: str, grouped: bool, family: str = "wide"
              ) -> tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]:
-        """Shared halves and per-key fits of one fit family (`family`): the rows of its
-        generation's accelerators (of its precision, where it has one)."""
-        key = (family, grouped)
+        """Shape halves and per-(accelerator, precision[, phase]) fits of one generation's GEMMs of
+        one precision family (`family`)."""
+        key = (generation, grouped, family)
         if key not in self._gemm:
-            generation, precision = family
             accs = sorted(a for a, g in self.generation.items() if g == generation and a in self.hbm)
-            dense_halves = None if not grouped else self.gemm(family, False)[0]
             table = self.tables["grouped_gemm" if grouped else "gemm"]
-            mask = np.isin(table["accelerator"], accs) & (table["excluded"] == "")
-            if precision:
-                mask &= table["precision"] == precision
+            in_family = np.asarray([str(p) in derive.HALVES_FAMILY and self.family(generation, str(p)) == family
+                                    for p in table["precision"]], dtype=bool)
+            mask = np.isin(table["accelerator"], accs) & (table["excluded"] == "") & in_family
             rows = table.select(mask)
-            copy_fraction = {a: self.copy_fraction(a) for a in accs}
-            entries, measured = gemm_entries(rows, self.peaks, self.hbm, copy_fraction, grouped)
+            # grouped kernels get shape halves of their own where the generation measured enough
+            # shapes (GROUPED_OWN_HALVES rows); else the generation's dense halves
+            own = grouped and int(np.sum(_shaped(rows, self.peaks, True))) >= GROUPED_OWN_HALVES
+            dense_halves = None if (not grouped or own) else self.gemm(generation, False, family)[0]
+            n_shaped, n_aspects = _shape_rows(rows) if not grouped else (0, 0)
+            tied = not grouped and n_shaped >= MIN_SHAPE_ROWS and n_aspects < MIN_ASPECTS
+            if not grouped and n_shaped < MIN_SHAPE_ROWS and generation != SHAPE_GENERATION:
+                # too few measured shapes to fit halves (best-of-search rows fix e_max only): the
+                # generation with the most measured shapes lends its halves of the same family
+                dense_halves = self.gemm(SHAPE_GENERATION, False, derive.HALVES_FAMILY.get(family, family))[0]
+                self.borrowed_halves.add((generation, family))
+            if tied:
+                self.tied_halves.add((generation, family))
+            copy = {a: self.copy_figures(a)[0] for a in accs}
+            entries, measured = gemm_entries(rows, self.peaks, self.hbm, copy, grouped)
             if len(measured) == 0:
                 self._gemm[key] = (dense_halves or (float("nan"),) * 3, {})
             else:
                 keep = _shaped(rows, self.peaks, grouped)
-                halves, fits = fit_gemm_family(entries, measured, rows["source"][keep], halves=dense_halves)
+                halves, fits = fit_gemm_family(entries, measured, rows["source"][keep], halves=dense_halves,
+                                               tied=tied and dense_halves is None)
                 if grouped:  # again, with fwd_bwd rows' weight gradients at the measured wgrad/fwd ratio
                     ratio = self.wgrad_ratio()
-                    entries, measured = gemm_entries(rows, self.peaks, self.hbm, copy_fraction, grouped,
+                    entries, measured = gemm_entries(rows, self.peaks, self.hbm, copy, grouped,
                                                      wgrad_ratio=ratio[0] if ratio else 1.0)
                     halves, fits = fit_gemm_family(entries, measured, rows["source"][keep], halves=dense_halves)
                 self._gemm[key] = (halves, fits)
@@ -192,9 +214,10 @@ class TableSet:
                                                for a, p, ph in zip(alone["accelerator"], alone["precision"], alone["phase"]))}
             ratios, srcs, names = [], [], []
             for acc, prec in sorted(pairs):
-                dense_halves = self.gemm(self.family(acc, prec), False)[0]
+                gen = self.generation[acc]
+                dense_halves = self.gemm(gen, False, self.family(gen, prec))[0]
                 mine = alone.select((alone["accelerator"] == acc) & (alone["precision"] == prec))
-                entries, measured = gemm_entries(mine, self.peaks, self.hbm, {acc: self.copy_fraction(acc)}, True)
+                entries, measured = gemm_entries(mine, self.peaks, self.hbm, {acc: self.copy_figures(acc)[0]}, True)
                 keep = _shaped(mine, self.peaks, True)
                 _, fits = fit_gemm_family(entries, measured, mine["source"][keep], halves=dense_halves)
                 if (acc, prec, "wgrad") in fits and (acc, prec, "fwd") in fits:
@@ -218,6 +241,23 @@ class TableSet:
                 peak = self.peaks.get((acc, "bf16")) or self.peaks.get((acc, "fp16")) or self.peaks.get((acc, "fp32"))
             self._attention[(acc, precision)] = fit_attention(rows, peak) if len(rows) and peak else None
         return self._attention[(acc, precision)]
+
+
+MIN_ASPECTS = 3
+"""Distinct (m/n, n/k) aspect pairs among them to fit three halves: squares alone (m = n = k)
+identify one half for all three (`fit.fit_gemm_family(tied=True)`)."""
+
+
+def _shape_rows(rows: KernelTable) -> tuple[int, int]:
+    """(dense rows with a printed shape that are not a search's best: they identify the halves,
+    their distinct (m/n, n/k) aspect pairs)."""
+    role = rows.get("role")
+    shaped = np.isfinite(rows["m"]) & np.isfinite(rows["n"]) & np.isfinite(rows["k"])
+    if role is not None:
+        shaped &= role != "ceiling"
+    m, n, k = rows["m"][shaped], rows["n"][shaped], rows["k"][shaped]
+    aspects = {(round(float(a), 3), round(float(b), 3)) for a, b in zip(np.log2(m / n), np.log2(n / k))}
+    return int(np.sum(shaped)), len(aspects)
 
 
 def _shaped(rows: KernelTable, peaks: Mapping[tuple[str, str], float], grouped: bool) -> np.ndarray:
@@ -253,13 +293,20 @@ def _rate_scale(ts: TableSet, acc: str, other: str, precision: str, factor: floa
 
 def gemm_figures(ts: TableSet, acc: str, precisions: Sequence[str], grouped: bool) -> dict[str, Any]:
     """dense: {precision: record}; grouped: {precision: {fwd, dgrad, wgrad: record}}."""
+    generation = ts.generation[acc]
     phases = GEMM_PHASES if grouped else ("",)
     out: dict[str, Any] = {}
     for precision in precisions:
-        halves, fits = ts.gemm(ts.family(acc, precision), grouped)
+        family = ts.family(generation, precision)
+        halves, fits = ts.gemm(generation, grouped, family)
         per_phase: dict[str, Any] = {}
         for phase in phases:
-            per_phase[phase] = _one_gemm(ts, acc, precision, phase, grouped, halves, fits, set())
+            record = _one_gemm(ts, acc, precision, phase, grouped, halves, fits, set())
+            if not grouped and (generation, family) in ts.borrowed_halves:
+                note = (f"shape halves from {SHAPE_GENERATION} {family} GEMMs (fewer than {MIN_SHAPE_ROWS} measured "
+                        f"shapes on {generation}: its rows fix e_max only)")
+                record["derived"] = f"{record['derived']}; {note}" if record.get("derived") else note
+            per_phase[phase] = record
         out[precision] = per_phase if grouped else per_phase[""]
     return out
 
@@ -292,16 +339,19 @@ def _one_gemm(ts: TableSet, acc: str, precision: str, phase: str, grouped: bool,
                                 f"wgrad = fwd x {value:.3f}, the median measured wgrad/fwd e_max ratio ({text})",
                                 tuple(r.sources) + tuple(srcs))
     fallback = derive.PRECISION_FALLBACK.get(precision)
+    fb_halves, fb_fits = halves, fits
+    generation = ts.generation[acc]
+    if fallback is not None and ts.family(generation, fallback[0]) != ts.family(generation, precision):
+        fb_halves, fb_fits = ts.gemm(generation, grouped, ts.family(generation, fallback[0]))
     if fallback is not None and (acc, fallback[0]) in ts.peaks:
         fb_key = _key(acc, fallback[0], phase)
-        fb_halves, fb_fits = ts.gemm(ts.family(acc, fallback[0]), grouped)
         if fb_key in fb_fits or (grouped and _key(acc, fallback[0], "fwd") in fb_fits):
             inner = _one_gemm(ts, acc, fallback[0], phase, grouped, fb_halves, fb_fits, seen | {key})
             return _derived(inner, f"{precision} = {fallback[0]}'s figure: {fallback[1]}")
     for other, factor, reason in ts.nearest.get(acc, ()):
         if grouped and ts.generation[other] != ts.generation[acc]:
             continue  # another generation's grouped kernels: this part's dense figure x the ratio (below)
-        ohalves, ofits = ts.gemm(ts.family(other, precision), grouped)
+        ohalves, ofits = ts.gemm(ts.generation[other], grouped, ts.family(ts.generation[other], precision))
         if _key(other, precision, phase) in ofits or (grouped and _key(other, precision, "fwd") in ofits):
             inner = _one_gemm(ts, other, precision, phase, grouped, ohalves, ofits, seen | {key})
             e = inner["e_max"] * _rate_scale(ts, acc, other, precision, factor)
@@ -321,7 +371,6 @@ def _one_gemm(ts: TableSet, acc: str, precision: str, phase: str, grouped: bool,
             out["source"] = source
             return out
     if fallback is not None and (acc, fallback[0]) in ts.peaks and _key(acc, fallback[0], phase) not in seen:
-        fb_halves, fb_fits = ts.gemm(ts.family(acc, fallback[0]), grouped)
         inner = _one_gemm(ts, acc, fallback[0], phase, grouped, fb_halves, fb_fits, seen | {key})
         return _derived(inner, f"{precision} = {fallback[0]}'s figure: {fallback[1]}")
     raise ValueError(f"no {'grouped ' if grouped else ''}GEMM rows for {acc} {precision} {phase} and no rule to "
@@ -345,8 +394,9 @@ def _grouped_over_dense(ts: TableSet, acc: str, precision: str, phase: str) -> O
     order = [o for o, _, _ in ts.nearest.get(acc, ())] + ts.peers(acc)
     for prec in (precision, "bf16"):
         for other in order:
-            ghalves, gfits = ts.gemm(ts.family(other, prec), True)
-            _, dfits = ts.gemm(ts.family(other, prec), False)
+            family = ts.family(ts.generation[other], prec)
+            ghalves, gfits = ts.gemm(ts.generation[other], True, family)
+            _, dfits = ts.gemm(ts.generation[other], False, family)
             gkey = _key(other, prec, "fwd")
             if gkey in gfits and (other, prec) in dfits:
                 grouped = _one_gemm(ts, other, prec, phase, True, ghalves, gfits)
@@ -486,10 +536,16 @@ a level that measured some collectives takes the others at that accelerator's me
 @dataclass(frozen=True)
 class SpanFit:
     latency_s: float
+    """The level's step latency (the median of the collectives' own, where fitted)."""
     efficiency: dict[str, float]
     errors: np.ndarray
     sources: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    collective_latency_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Step latency of each collective whose rows reach small messages."""
+    ll_latency_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    ll_efficiency: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The low-latency protocol's figures of the collectives measured over both regimes."""
 
 
 def level_figures(ts: TableSet, name: str, sheet: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -521,7 +577,18 @@ def level_figures(ts: TableSet, name: str, sheet: Mapping[str, Any]) -> list[dic
             if other_fit is not None and other_fit.efficiency:
                 result = dataclasses.replace(result, efficiency=dict(other_fit.efficiency), notes=result.notes + (
                     f"efficiencies not identified by these rows: from {rule[0]} {rule[1]}: {rule[2]}",))
+        if derived or "all_to_all" not in result.efficiency:
+            # this accelerator's own EP dispatch rows beat a borrowed or ratio-derived all-to-all
+            own = _all_to_all_from_dispatch(ts, acc, span, out, level)
+            if own is not None:
+                result = dataclasses.replace(result, efficiency={**result.efficiency, "all_to_all": own[0]},
+                                             notes=result.notes + (own[1],), sources=result.sources + own[2])
         eff = complete_collectives(ts, result.efficiency, span)
+        if result.collective_latency_s:
+            record["collective_latency_s"] = {str(k): float(f"{v:.3g}") for k, v in sorted(result.collective_latency_s.items())}
+        if result.ll_latency_s:
+            record["ll_collective_latency_s"] = {str(k): float(f"{v:.3g}") for k, v in sorted(result.ll_latency_s.items())}
+            record["ll_collective_efficiency"] = {str(k): _round(v, 3) for k, v in sorted(result.ll_efficiency.items())}
         if not eff:
             raise ValueError(f"{name}: level '{level['name']}' ({span}): its rows identify no collective efficiency "
                              "and no rule carries one over (perfmodel/kernels/derive.py SPAN_NEAREST)")
@@ -586,9 +653,24 @@ class _Level:
     latency_s: float
     eff: Mapping[str, float]
     sync_latency_s: float = 0.0
+    latencies: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    ll_latencies: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    ll_eff: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def efficiency_of(self, kind: str) -> float:
         return self.eff.get(kind, 1.0)
+
+    def latency_of(self, kind: str) -> float:
+        return self.latencies.get(kind, self.latency_s)
+
+    def has_low_latency(self, kind: str) -> bool:
+        return kind in self.ll_latencies
+
+    def ll_latency_of(self, kind: str) -> float:
+        return self.ll_latencies.get(kind, self.latency_of(kind))
+
+    def ll_efficiency_of(self, kind: str) -> float:
+        return self.ll_eff.get(kind, self.efficiency_of(kind))
 
 
 @dataclass(frozen=True)
@@ -616,6 +698,9 @@ def span_fit_of(ts: TableSet, acc: str, span: str) -> Optional[SpanFit]:
                 break
             record = dict(level)
             record["latency_s"], record["collective_efficiency"] = fitted.latency_s, dict(fitted.efficiency)
+            record["collective_latency_s"] = dict(fitted.collective_latency_s)
+            record["ll_collective_latency_s"] = dict(fitted.ll_latency_s)
+            record["ll_collective_efficiency"] = dict(fitted.ll_efficiency)
             built.append(record)
         break
     ts._span[key] = result
@@ -668,22 +753,34 @@ def span_fit(ts: TableSet, acc: str, span: str, inner: Sequence[Mapping[str, Any
         if fallback is None:
             return None
         notes.append("efficiency = the printed peak busbw / link bandwidth (no sizes printed); " + fallback[1])
-        return SpanFit(fallback[0], eff, np.zeros(0), _sources(span_rows), tuple(notes))
+        sources = _sources(span_rows)
+        if "all_to_all" not in eff:
+            from_dispatch = _all_to_all_from_dispatch(ts, acc, span, inner, level)
+            if from_dispatch is not None:
+                eff["all_to_all"] = from_dispatch[0]
+                notes.append(from_dispatch[1])
+                sources = sources + from_dispatch[2]
+        return SpanFit(fallback[0], eff, np.zeros(0), sources, tuple(notes))
     rows, kinds = span_rows.select(sized), kinds[sized]
-    names = sorted(set(kinds))
+    names = sorted({str(c) for c in kinds})
     size, ranks = rows["size_bytes"], rows["ranks"]
     factor = np.where(kinds == "all_reduce", 2.0 * (ranks - 1) / ranks, np.where(kinds == "p2p", 1.0, (ranks - 1) / ranks))
     measured = size * factor / (rows["busbw_gbps"] * 1e9)
     built = tuple(_Level(int(lv["devices"]), float(lv["bandwidth_bytes_per_s"]), float(lv["latency_s"]),
-                         dict(lv["collective_efficiency"]), float(lv.get("sync_latency_s", 0.0))) for lv in inner)
+                         dict(lv["collective_efficiency"]), float(lv.get("sync_latency_s", 0.0)),
+                         dict(lv.get("collective_latency_s", {})), dict(lv.get("ll_collective_latency_s", {})),
+                         dict(lv.get("ll_collective_efficiency", {}))) for lv in inner)
     # nccl-tests sendrecv: every rank sends to the next; the slowest pair sets the time: inside one
     # domain a neighbour pair (stride 1), across domains a pair straddling the inner boundary
     straddle = float(inner[-1]["devices"]) if inner else 1.0
     group = np.where(kinds == "p2p", 2.0, ranks)
     stride = np.where(kinds == "p2p", straddle, 1.0)
 
-    def predict(latency: float, eff: dict[str, float]) -> np.ndarray:
-        fabric = _Fabric(built + (_Level(int(level["devices"]), float(level["bandwidth_bytes_per_s"]), latency, eff),))
+    def predict(latency: dict[str, float], eff: dict[str, float], ll_latency: dict[str, float],
+                ll_eff: dict[str, float]) -> np.ndarray:
+        shared = float(np.median(list(latency.values())))
+        fabric = _Fabric(built + (_Level(int(level["devices"]), float(level["bandwidth_bytes_per_s"]), shared, eff,
+                                         latencies=latency, ll_latencies=ll_latency, ll_eff=ll_eff),))
         out = np.zeros(len(size))
         for kind in names:
             mine = kinds == kind
@@ -702,8 +799,56 @@ def span_fit(ts: TableSet, acc: str, span: str, inner: Sequence[Mapping[str, Any
     # start above the inner levels' step latency: an outer step is charged at least theirs
     # (perfmodel.comm), so a start below it would sit where the outer latency has no effect
     start = 3.0 * max([float(lv["latency_s"]) for lv in inner] + [2e-6])
-    latency, eff, errors = fit_level(measured, predict, names, start, fixed_latency=fixed)
-    return SpanFit(latency, eff, errors, _sources(rows), tuple(notes))
+    kinds = np.asarray([str(c) for c in kinds])
+    fitted = fit_level(measured, kinds, size, predict, start, fixed_latency=fixed, small_bytes=SMALL_MESSAGE_BYTES)
+    own, eff, errors = fitted.latency_s, fitted.efficiency, fitted.errors
+    latency = float(np.median(list(own.values()))) if own else float(fixed if fixed is not None else start)
+    sources = _sources(rows)
+    if "all_to_all" not in eff:
+        from_dispatch = _all_to_all_from_dispatch(ts, acc, span, inner, level)
+        if from_dispatch is not None:
+            eff = {**eff, "all_to_all": from_dispatch[0]}
+            notes.append(from_dispatch[1])
+            sources = sources + from_dispatch[2]
+    return SpanFit(latency, eff, errors, sources, tuple(notes), own,
+                   {c: v for c, v in fitted.ll_latency_s.items() if c in eff},
+                   {c: v for c, v in fitted.ll_efficiency.items() if c in eff})
+
+
+def counts_link_bytes(kinds: np.ndarray) -> np.ndarray:
+    """Whether a dispatch row's GB/s counts only the bytes its NIC carries (DeepEP's internode
+    'RDMA GB/s': tokens sent to other nodes) rather than every token a rank receives ('logical' /
+    'algorithm' bandwidth, NVLink or UB figures, which include local and same-node tokens)."""
+    text = np.char.lower(np.asarray(kinds, dtype=str))
+    nic = (np.char.find(text, "rdma") >= 0) | (np.char.find(text, "ib gb/s") >= 0)
+    logical = ((np.char.find(text, "logical") >= 0) | (np.char.find(text, "algorithm") >= 0)
+               | (np.char.find(text, "nvlink +") >= 0))
+    return nic & ~logical
+
+
+def _all_to_all_from_dispatch(ts: TableSet, acc: str, span: str, inner: Sequence[Mapping[str, Any]],
+                              level: Mapping[str, Any]) -> Optional[tuple[float, str, tuple[str, ...]]]:
+    """An all-to-all efficiency for a span without all-to-all rows, from the accelerator's EP
+    dispatch/combine measurements there (normal kernels). DeepEP-style GB/s count every token a
+    rank receives, local ones too; of an all-to-all over ep ranks the share (c - c_in)/ep crosses
+    this level, c = min(ep, level devices), c_in = min(ep, the inner level's devices) (1 at the
+    node), as `perfmodel.comm` charges it; rows that count only NIC bytes (`counts_link_bytes`)
+    count that share already. efficiency = the median over rows of GB/s x share / the level's link
+    bandwidth."""
+    table = ts.tables["ep_dispatch"].rows_of(acc)
+    rows = table.select((table["span"] == span) & (table["mode"] == "normal") & np.isfinite(table["bandwidth_gbps"])
+                        & np.isfinite(table["ep"]))
+    if len(rows) == 0:
+        return None
+    ep = rows["ep"]
+    inside = float(inner[-1]["devices"]) if inner else 1.0
+    share = np.where(counts_link_bytes(rows["bandwidth_kind"]), 1.0,
+                     (np.minimum(ep, float(level["devices"])) - np.minimum(ep, inside)) / ep)
+    link = rows["bandwidth_gbps"] * 1e9 * share
+    eff = float(np.median(link) / float(level["bandwidth_bytes_per_s"]))
+    libraries = ", ".join(sorted(set(str(x) for x in rows["library"])))
+    return (eff, f"all_to_all from {len(rows)} EP dispatch/combine rows ({libraries}, normal kernels): median GB/s x "
+                 "the share crossing this level ((c - c_inner)/ep; 1 for NIC-counted RDMA GB/s) over the link bandwidth", _sources(rows))
 
 
 def _sources(rows: KernelTable) -> tuple[str, ...]:
@@ -717,7 +862,8 @@ def _sources(rows: KernelTable) -> tuple[str, ...]:
 # assembling a cluster file
 
 GENERATED_ACCELERATOR_KEYS = ("kernels",)
-GENERATED_LEVEL_KEYS = ("latency_s", "efficiency", "collective_efficiency", "collective_fit")
+GENERATED_LEVEL_KEYS = ("latency_s", "efficiency", "collective_efficiency", "collective_fit", "collective_latency_s",
+                        "ll_collective_latency_s", "ll_collective_efficiency")
 
 
 def build_cluster(name: str, sheet: Mapping[str, Any], ts: TableSet) -> dict[str, Any]:
@@ -734,7 +880,23 @@ def build_cluster(name: str, sheet: Mapping[str, Any], ts: TableSet) -> dict[str
     }
     out["accelerator"] = accelerator
     out["levels"] = level_figures(ts, name, sheet)
+    section = dispatch_figures(name, ts)
+    if section:
+        out["ep_dispatch"] = section
     return out
+
+
+def dispatch_figures(name: str, ts: TableSet) -> dict[str, dict[str, dict[str, Any]]]:
+    """The fused dispatchers' figures per fabric level (`perfmodel.dispatch.cluster_figures`, the
+    rule there) from the EP dispatch table rows; empty for a cluster without such rows."""
+    from perfmodel.dispatch import CLUSTER_SPANS, cluster_figures, load_measurements
+
+    path = ts.tables["ep_dispatch"].path
+    if name not in CLUSTER_SPANS or not path.exists():
+        return {}
+    rows = load_measurements(path)
+    return {dispatcher: {level: dataclasses.asdict(fig) for level, fig in by_level.items()}
+            for dispatcher, by_level in cluster_figures(name, rows).items()}
 
 
 class _Dumper(yaml.SafeDumper):

@@ -4,6 +4,10 @@
 - `GENERATION`: accelerators whose GEMM tiles and waves are the same silicon generation share
   their fitted GEMM shape halves (`fit.fit_gemm_family`): Hopper GH100 (H100, H200, H800: 132
   SMs, the same die), Blackwell (B200, B300, GB200, GB300), Ampere, CDNA3, Ascend Da Vinci, cpu.
+- `HALVES_FAMILY`: precisions whose GEMMs run the same kernel family share shape halves: the
+  16/32-bit GEMMs (cuBLAS / hipBLASLt / CANN matmul) and the 8-bit ones (block-scaled FP8
+  kernels such as DeepGEMM or TE's, whose tiles and scale loads differ): H100's bf16 cuBLAS
+  reaches 80% of peak at n = 1024-2048 where DeepGEMM's FP8 rows halve at n ~ 1300.
 - `HALVES_PER_PRECISION`: generations whose halves are fitted per precision (a CPU's engines).
 - `NEAREST`: where an accelerator has no measured row of a kind (or precision, phase), its
   figure is the first listed accelerator's that has one, with the achieved rate scaled by the
@@ -29,12 +33,15 @@ GENERATION = {
     "mi300x": "cdna3", "ascend_910b": "davinci", "ascend_910c": "davinci", "cpu_local": "cpu",
 }
 
+HALVES_FAMILY = {"fp32": "wide", "bf16": "wide", "fp16": "wide", "fp8": "fp8", "mxfp8": "fp8"}
+
 HALVES_PER_PRECISION = {"cpu"}
 """Generations whose GEMM shape halves are fitted per precision: a CPU runs fp32 on its FMA
 units and bf16 on other engines (AMX tiles, AVX-512 BF16 dot products), whose efficiency
-saturates at other sizes (on the test machine, one core: fp32 halves 30-60, bf16 200-350);
-one set of halves for both put the fp32 fit 28% off over the trainer's GEMM shapes against 8%
-with its own (`mosaic calibrate --quick` grid, 2026-12-01)."""
+saturates at other sizes (on the test machine, one core: fp32 halves about 30-45, bf16 about
+300); one set of halves for both put the fp32 fit 28% off over the trainer's GEMM shapes against
+9% with its own (`mosaic calibrate --quick` grid, 2026-12-01, docs/validation.md)."""
+
 
 NEAREST: dict[str, tuple[tuple[str, float, str], ...]] = {
     "h200": (("h100", 1.0, "same GH100 die, 132 SMs, 700 W: MAMF bf16 equal, fp8 +3.6% (ml-engineering "

@@ -8,7 +8,8 @@ makes the model reproduce its measurements:
   and achieved GB/s (a row without bytes constrains the fraction only);
 - GEMM: shape halves (m, n, k) shared by the accelerators of one generation (the tile and wave
   structure of the silicon, `derive.GENERATION`), e_max per (accelerator, precision); predicted
-  time is the roofline max(2mnk / (peak eff), bytes / (HBM bw eff_copy));
+  time is the roofline max(2mnk / (peak eff), bytes / (HBM bw f_copy)), the memory side as
+  `perfmodel.hardware.HardwareView.operand_seconds` prices it;
 - grouped GEMM: the GEMM form per phase with the generation's halves and e_max per phase;
   a fwd_bwd row is timed as the sum of its three phases;
 - attention: e_max per phase (fwd, bwd), seq halves causal / non-causal and a head-dim half;
@@ -162,17 +163,19 @@ class GemmRows:
 
 
 def fit_gemm_family(entries: GemmRows, measured_s: np.ndarray, sources: Sequence[str],
-                    halves: tuple[float, float, float] | None = None) -> tuple[tuple[float, float, float],
-                                                                              dict[tuple[str, ...], FitResult]]:
-    """Shared (m, n, k) halves (fitted unless given) and one e_max per key; each measured row's
-    time is the sum of its entries' rooflines (a fwd_bwd row: three phases)."""
+                    halves: tuple[float, float, float] | None = None,
+                    tied: bool = False) -> tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]:
+    """Shared (m, n, k) halves (fitted unless given; `tied`: one half for all three, what square
+    shapes alone identify) and one e_max per key; each measured row's time is the sum of its
+    entries' rooflines (a fwd_bwd row: three phases)."""
     n_keys = len(entries.keys)
     free_halves = halves is None
+    n_halves = 1 if tied else 3
 
     def predict(x: np.ndarray) -> np.ndarray:
         if free_halves:
-            hm, hn, hk = np.exp(x[:3])
-            e_max = np.exp(x[3:])[entries.key]
+            hm, hn, hk = np.exp(x[:3]) if not tied else np.exp(np.repeat(x[:1], 3))
+            e_max = np.exp(x[n_halves:])[entries.key]
         else:
             hm, hn, hk = halves
             e_max = np.exp(x)[entries.key]
@@ -187,15 +190,18 @@ def fit_gemm_family(entries: GemmRows, measured_s: np.ndarray, sources: Sequence
     e0 = np.log(np.full(n_keys, 0.75))
     e_lo, e_hi = np.full(n_keys, np.log(1e-3)), np.zeros(n_keys)
     if free_halves:
-        x0 = np.r_[np.log([100.0, 500.0, 500.0]), e0]
-        lower = np.r_[np.log([1.0, 1.0, 1.0]), e_lo]
-        upper = np.r_[np.log([2e5, 2e5, 2e5]), e_hi]
+        x0 = np.r_[np.log([100.0, 500.0, 500.0] if not tied else [300.0]), e0]
+        lower = np.r_[np.log(np.ones(n_halves)), e_lo]
+        upper = np.r_[np.log(np.full(n_halves, 2e5)), e_hi]
     else:
         x0, lower, upper = e0, e_lo, e_hi
     x = _robust(residual, x0, lower, upper)
     errors = predict(x) / measured_s - 1.0
-    fitted = tuple(float(v) for v in np.exp(x[:3])) if free_halves else halves
-    e_values = np.exp(x[3:] if free_halves else x)
+    if free_halves:
+        fitted = tuple(float(v) for v in (np.exp(x[:3]) if not tied else np.exp(np.repeat(x[:1], 3))))
+    else:
+        fitted = halves
+    e_values = np.exp(x[n_halves:] if free_halves else x)
     src = np.asarray(sources)
     results = {}
     row_key = np.full(len(measured_s), -1)
@@ -287,7 +293,7 @@ def used_rows(table: KernelTable, peaks: dict[tuple[str, str], float], grouped: 
     keep = np.isfinite(m) & np.isfinite(table["n"]) & np.isfinite(table["k"])
     if not grouped and table.get("role") is not None:
         keep |= table["role"] == "ceiling"
-    return keep & np.asarray([(str(a), str(p)) in peaks for a, p in zip(table["accelerator"], table["precision"])])
+    return keep & np.asarray([(str(a), str(p)) in peaks for a, p in zip(table["accelerator"], table["precision"])], dtype=bool)
 
 
 # ---------------------------------------------------------------------------
@@ -341,34 +347,67 @@ def fit_attention(rows: KernelTable, peak_flops_per_s: float) -> FitResult:
 # ---------------------------------------------------------------------------
 # collectives
 
-def fit_level(times_s: np.ndarray, predict: Callable[[float, dict[str, float]], np.ndarray],
-              collectives: Sequence[str], latency0: float,
-              fixed_latency: float | None = None) -> tuple[float, dict[str, float], np.ndarray]:
-    """(latency per step, efficiency per identified collective, errors) minimising the robust log
-    error of `predict(latency, efficiencies)` against the measured times (latency held at
-    `fixed_latency` when the rows cannot identify it). A collective whose efficiency moves no row's
-    time by 5% by 1% when it falls by 10% (its rows are bound by an inner level) is not identified: left out."""
-    names = list(collectives)
-    if fixed_latency is not None:
-        latency0 = fixed_latency
+@dataclass(frozen=True)
+class LevelFit:
+    """A fabric level's fitted collective figures: per collective the bandwidth protocol's step
+    latency and efficiency, and the low-latency protocol's where the rows identify two lines."""
 
-    def unpack(x: np.ndarray) -> tuple[float, dict[str, float]]:
-        if fixed_latency is not None:
-            return float(fixed_latency), {c: float(np.exp(v)) for c, v in zip(names, x[1:])}
-        return float(np.exp(x[0])), {c: float(np.exp(v)) for c, v in zip(names, x[1:])}
+    latency_s: dict[str, float]
+    efficiency: dict[str, float]
+    ll_latency_s: dict[str, float]
+    ll_efficiency: dict[str, float]
+    errors: np.ndarray
+
+
+def fit_level(times_s: np.ndarray, kinds: np.ndarray, sizes: np.ndarray,
+              predict: Callable[[dict[str, float], dict[str, float], dict[str, float], dict[str, float]], np.ndarray],
+              latency0: float, fixed_latency: float | None = None, small_bytes: float = 4 * 2**20) -> LevelFit:
+    """Fit the collectives of one level to measured times (robust log error of `predict`).
+
+    A collective whose rows reach below `small_bytes` and above 16x it gets two lines, the
+    low-latency protocol's (smaller latency, smaller efficiency) and the bandwidth protocol's;
+    one with small rows only its own latency; the others take the median latency of those, or
+    `fixed_latency` when no collective has small rows. A collective whose efficiency moves no
+    row's time by 1% when it falls by 10% (its rows are bound by an inner level) is not
+    identified: left out of `efficiency`."""
+    names = sorted({str(k) for k in kinds})
+    small = {c for c in names if np.any((kinds == c) & (sizes < small_bytes))} if fixed_latency is None else set()
+    two = {c for c in small if np.sum((kinds == c) & (sizes < small_bytes)) >= 3
+           and np.sum((kinds == c) & (sizes >= 16 * small_bytes)) >= 3}
+    own = sorted(small)
+    dual = sorted(two)
+    n_lat, n_eff, n_dual = len(own), len(names), len(dual)
+
+    def unpack(x: np.ndarray):
+        lat = {c: float(np.exp(v)) for c, v in zip(own, x[:n_lat])}
+        shared = float(np.median(list(lat.values()))) if lat else float(fixed_latency if fixed_latency is not None
+                                                                          else latency0)
+        lat_all = {c: lat.get(c, shared) for c in names}
+        eff = {c: float(np.exp(v)) for c, v in zip(names, x[n_lat:n_lat + n_eff])}
+        rest = x[n_lat + n_eff:]
+        # low-latency line: latency below the bandwidth protocol's, efficiency a fraction of its
+        ll_lat = {c: lat_all[c] / (1.0 + float(np.exp(u))) for c, u in zip(dual, rest[:n_dual])}
+        ll_eff = {c: eff[c] / (1.0 + float(np.exp(v))) for c, v in zip(dual, rest[n_dual:])}
+        return lat_all, eff, ll_lat, ll_eff
 
     def residual(x: np.ndarray) -> np.ndarray:
-        lat, eff = unpack(x)
-        return np.log(predict(lat, eff)) - np.log(times_s)
+        return np.log(predict(*unpack(x))) - np.log(times_s)
 
-    x0 = np.r_[np.log(latency0), np.log(np.full(len(names), 0.8))]
-    lower = np.r_[np.log(1e-8), np.full(len(names), np.log(1e-3))]
-    upper = np.r_[np.log(1e-2), np.full(len(names), np.log(2.0))]
-    x = _robust(residual, x0, lower, upper)
-    lat, eff = unpack(x)
-    base = predict(lat, eff)
+    lower = np.r_[np.full(n_lat, np.log(1e-8)), np.full(n_eff, np.log(1e-3)), np.full(2 * n_dual, -8.0)]
+    upper = np.r_[np.full(n_lat, np.log(1e-2)), np.full(n_eff, np.log(2.0)), np.full(2 * n_dual, 8.0)]
+    best = None
+    for lat_start, ll_start in ((latency0, 1.0), (latency0 * 4.0, 2.0), (latency0 / 2.0, 0.0)):
+        x0 = np.r_[np.full(n_lat, np.log(lat_start)), np.log(np.full(n_eff, 0.8)), np.full(n_dual, ll_start),
+                   np.full(n_dual, 1.5)]
+        x = _robust(residual, x0, lower, upper)
+        cost = float(np.sum(np.log1p(np.abs(residual(x)) / LOSS_SCALE)))
+        if best is None or cost < best[0]:
+            best = (cost, x)
+    lat, eff, ll_lat, ll_eff = unpack(best[1])
+    base = predict(lat, eff, ll_lat, ll_eff)
     identified = {}
     for c in names:  # does some row's time move by >= 1% when this efficiency falls by 10%?
-        moved = predict(lat, {**eff, c: eff[c] * 0.9})
+        moved = predict(lat, {**eff, c: eff[c] * 0.9}, ll_lat, ll_eff)
         identified[c] = bool(np.max(np.abs(np.log(moved / base))) >= 0.01)
-    return lat, {c: v for c, v in eff.items() if identified[c]}, base / times_s - 1.0
+    return LevelFit({c: v for c, v in lat.items() if c in small}, {c: v for c, v in eff.items() if identified[c]},
+                    ll_lat, ll_eff, base / times_s - 1.0)

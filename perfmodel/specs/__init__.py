@@ -8,6 +8,7 @@ from perfmodel.specs.architecture import (
     expert_sparsity,
     granularity,
     model_flops_per_token,
+    model_flops_per_token_palm,
     sparsity,
     total_params,
 )
@@ -34,6 +35,6 @@ __all__ = [
     "ARCH_FIELDS", "Accelerator", "ArchBatch", "ClusterSpec", "DP_FLAVORS",
     "FabricLevel", "Goodput", "LAYOUT_FIELDS", "LayoutBatch", "MoEArchitecture", "Overlap",
     "PRECISIONS", "ParallelLayout", "RECOMPUTE_MODES", "Straggler", "active_params",
-    "expert_sparsity", "granularity", "load_spec", "model_flops_per_token", "parse_layout",
+    "expert_sparsity", "granularity", "load_spec", "model_flops_per_token", "model_flops_per_token_palm", "parse_layout",
     "sparsity", "spec_to_dict", "total_params", "write_yaml_atomic",
 ]

@@ -21,7 +21,8 @@ import yaml
 from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
-from perfmodel.specs.kernels import KernelFigures
+from perfmodel.specs.dispatch import FUSED_DISPATCHERS, EpDispatcherFigures
+from perfmodel.specs.kernels import KernelFigures, provenance
 from perfmodel.specs.strict import check, spec_to_dict
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -54,6 +55,10 @@ class Accelerator:
     recompute (None: not priced). Measured by `mosaic calibrate` on cpu."""
     checkpoint_saved_tensor_latency_s: Optional[float] = None
     """Host time per tensor a checkpointed region saves (pack, recompute, unpack hooks)."""
+    host_sync_latency_s: Optional[float] = None
+    """Host time of a device-to-host read the host must wait for (the stream drains, a small
+    copy comes back), as MoE token dispatchers do once per layer to learn the split sizes
+    (`perfmodel.host.MOE_HOST_SYNCS_PER_LAYER`); the device idles meanwhile (None: not priced)."""
     dtensor_op_latency_s: Optional[float] = None
     """Host time one DTensor op adds beyond the single-device ops (tensor parallel in eager
     PyTorch: sharding propagation, wrapping); priced on CPU clusters, whose ranks run the
@@ -71,7 +76,8 @@ class Accelerator:
               "must be in (0, hbm_bytes]", "lower it or leave it out")
         check(self.hbm_bandwidth_bytes_per_s > 0, "hbm_bandwidth_bytes_per_s", "must be > 0", "write e.g. 3.35e12")
         check(self.launch_latency_s >= 0, "launch_latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
-        for key in ("dtensor_op_latency_s", "checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s"):
+        for key in ("dtensor_op_latency_s", "checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s",
+                    "host_sync_latency_s"):
             value = getattr(self, key)
             check(value is None or (math.isfinite(value) and value >= 0), key, "must be >= 0 seconds",
                   "write seconds, e.g. 6.0e-5, or leave it out")
@@ -103,6 +109,12 @@ class Accelerator:
             values += [grouped.fwd.e_max, grouped.dgrad.e_max, grouped.wgrad.e_max]
         return max(values)
 
+    def max_attention_efficiency(self, precisions: Sequence[str]) -> float:
+        """The largest attention e_max serving `precisions` (the core runs bf16 under fp8)."""
+        k = self.kernels
+        names = {k.precision("attention", "bf16" if p in ("fp8", "mxfp8") else p) for p in precisions}
+        return max(max(k.attention[n].fwd_e_max, k.attention[n].bwd_e_max) for n in names)
+
 
 @dataclass(frozen=True)
 class CollectiveFit:
@@ -112,6 +124,9 @@ class CollectiveFit:
     rows: int = 0
     median_abs_error: Optional[float] = None
     derived: str = ""
+
+    def __post_init__(self) -> None:
+        provenance(self.rows, self.median_abs_error, self.source, self.derived)
 
 
 @dataclass(frozen=True)
@@ -132,6 +147,14 @@ class FabricLevel:
     """Where the figures come from."""
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     """... unless overridden here per collective (all_reduce, all_gather, reduce_scatter, all_to_all, p2p)."""
+    collective_latency_s: dict[str, float] = field(default_factory=dict)
+    """... and per collective, where measured (NCCL's algorithms differ: a tree all-reduce takes
+    more steps' latency than a ring all-gather); the rest take latency_s."""
+    ll_collective_latency_s: dict[str, float] = field(default_factory=dict)
+    """Low-latency protocol (NCCL LL/LL128) step latency per collective, where measured; a
+    collective without it has one protocol (`perfmodel.comm`)."""
+    ll_collective_efficiency: dict[str, float] = field(default_factory=dict)
+    """Low-latency protocol efficiency per collective (a fraction of the link's bandwidth)."""
     collective_fit: Optional[CollectiveFit] = None
     """How latency_s and the efficiencies were obtained: fitted table rows, or carried over
     (`perfmodel.kernels.build`); None for a hand-written level."""
@@ -148,7 +171,15 @@ class FabricLevel:
         check(self.latency_s >= 0, "latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
         check(0 < self.efficiency <= 2, "efficiency", f"must be in (0, 2], got {self.efficiency}",
               "use busbw / link bandwidth (above 1 only for in-switch reduction, NVLS)")
-        for name, value in self.collective_efficiency.items():
+        check(set(self.ll_collective_latency_s) == set(self.ll_collective_efficiency), "ll_collective_latency_s",
+              "low-latency figures come in pairs", "give ll_collective_latency_s and ll_collective_efficiency for "
+              "the same collectives")
+        for name, value in {**self.collective_latency_s, **self.ll_collective_latency_s}.items():
+            check(name in COLLECTIVES, f"collective_latency_s.{name}", "unknown collective",
+                  f"use one of {', '.join(COLLECTIVES)}")
+            check(math.isfinite(value) and value >= 0, f"collective_latency_s.{name}", "must be >= 0 seconds",
+                  "write seconds, e.g. 5.0e-6")
+        for name, value in {**self.collective_efficiency, **self.ll_collective_efficiency}.items():
             check(name in COLLECTIVES, f"collective_efficiency.{name}", "unknown collective",
                   f"use one of {', '.join(COLLECTIVES)}")
             check(0 < value <= 2, f"collective_efficiency.{name}", f"must be in (0, 2], got {value}",
@@ -156,6 +187,18 @@ class FabricLevel:
 
     def efficiency_of(self, collective: str) -> float:
         return self.collective_efficiency.get(collective, self.efficiency)
+
+    def latency_of(self, collective: str) -> float:
+        return self.collective_latency_s.get(collective, self.latency_s)
+
+    def has_low_latency(self, collective: str) -> bool:
+        return collective in self.ll_collective_latency_s
+
+    def ll_latency_of(self, collective: str) -> float:
+        return self.ll_collective_latency_s.get(collective, self.latency_of(collective))
+
+    def ll_efficiency_of(self, collective: str) -> float:
+        return self.ll_collective_efficiency.get(collective, self.efficiency_of(collective))
 
 
 @dataclass(frozen=True)
@@ -246,6 +289,9 @@ class ClusterSpec:
     """Physical cores shared by all ranks (cpu): ranks beyond it share peak."""
     calibration: Optional[dict[str, Any]] = None
     """Filled by `mosaic calibrate`: provenance and fit quality."""
+    ep_dispatch: dict[str, dict[str, EpDispatcherFigures]] = field(default_factory=dict)
+    """Measured figures of the fused MoE dispatchers (FUSED_DISPATCHERS) by fabric level name
+    (`perfmodel.specs.dispatch`); absent: the cluster prices alltoall and allgather only."""
 
     def __post_init__(self) -> None:
         check(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}", "give the device count")
@@ -256,6 +302,13 @@ class ClusterSpec:
                   "order levels innermost first with nested group sizes")
         check(self.framework_overhead_bytes >= 0, "framework_overhead_bytes", "must be >= 0", "give bytes")
         check(self.host_cores is None or self.host_cores >= 1, "host_cores", "must be >= 1", "give the core count")
+        names = [lvl.name for lvl in self.levels]
+        for dispatcher, by_level in self.ep_dispatch.items():
+            check(dispatcher in FUSED_DISPATCHERS, f"ep_dispatch.{dispatcher}", "is not a fused dispatcher",
+                  f"use one of {', '.join(FUSED_DISPATCHERS)}")
+            for level in by_level:
+                check(level in names, f"ep_dispatch.{dispatcher}.{level}", "is not a fabric level of this cluster",
+                      f"use one of {', '.join(names)}")
 
     @property
     def node_devices(self) -> int:
@@ -269,8 +322,12 @@ class ClusterSpec:
         return np.minimum(index, len(self.levels) - 1)
 
     def content_hash(self) -> str:
-        """sha256 of the canonical YAML (what plans record)."""
-        text = yaml.safe_dump(spec_to_dict(self), sort_keys=True)
+        """sha256 of the canonical YAML (what plans record); an empty `ep_dispatch` section is left
+        out, so clusters without one keep the hash they had before the section existed."""
+        data = spec_to_dict(self)
+        if not data.get("ep_dispatch"):
+            data.pop("ep_dispatch", None)
+        text = yaml.safe_dump(data, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def with_devices(self, devices: int) -> ClusterSpec:

@@ -26,7 +26,9 @@ def _positive(value: float, key: str) -> None:
           "regenerate with `python -m perfmodel.kernels.build` or `mosaic calibrate`")
 
 
-def _provenance(rows: int, error: Optional[float], source: str, derived: str) -> None:
+def provenance(rows: int, error: Optional[float], source: str, derived: str) -> None:
+    """A fitted figure's provenance: rows >= 0, an error only where fitted, a rule where no row
+    of its own was fitted, and a source."""
     check(rows >= 0, "rows", f"must be >= 0, got {rows}", "count the fitted table rows")
     check(error is None or (math.isfinite(error) and error >= 0), "median_abs_error", f"must be >= 0, got {error}",
           "leave it out when nothing was fitted")
@@ -54,7 +56,7 @@ class GemmFigures:
               "regenerate with `python -m perfmodel.kernels.build`")
         for key in ("m_half", "n_half", "k_half"):
             _positive(getattr(self, key), key)
-        _provenance(self.rows, self.median_abs_error, self.source, self.derived)
+        provenance(self.rows, self.median_abs_error, self.source, self.derived)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class AttentionFigures:
                   "regenerate with `python -m perfmodel.kernels.build`")
         for key in ("seq_half_causal", "seq_half", "head_dim_half"):
             _positive(getattr(self, key), key)
-        _provenance(self.rows, self.median_abs_error, self.source, self.derived)
+        provenance(self.rows, self.median_abs_error, self.source, self.derived)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class MemoryFigures:
         for name in self.derived:
             check(name in MEMORY_CLASS_KEYS, f"derived.{name}", "unknown kernel class",
                   f"use one of {', '.join(MEMORY_CLASS_KEYS)}")
-        _provenance(self.rows, self.median_abs_error, self.source, "; ".join(self.derived.values()))
+        provenance(self.rows, self.median_abs_error, self.source, "; ".join(self.derived.values()))
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,8 @@ def test_latency_steps_match_perfmodel_comm():
     cluster = load_cluster("h100")
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
         for n in (2, 4, 8):
-            level = dataclasses.replace(cluster.levels[0], latency_s=1e-3 / latency_steps(kind, n))
+            # the level's one step latency (no per-collective or low-latency-protocol figures)
+            level = dataclasses.replace(cluster.levels[0], latency_s=1e-3 / latency_steps(kind, n), collective_latency_s={},
+                                        ll_collective_latency_s={}, ll_collective_efficiency={})
             spec = dataclasses.replace(cluster, levels=(level, *cluster.levels[1:]))
             assert float(collective_time(spec, kind, 1.0, n, 1)) == pytest.approx(1e-3, rel=1e-3), (kind, n)

@@ -38,7 +38,7 @@ DEEPSEEK_LIKE = {
 # A dense model (no experts) with plain DDP and no pipeline.
 DENSE = {
     "model": {"n_experts": 0, "top_k": 0, "d_expert": 0, "d_ff_dense": 14336},
-    "layout": {"tp": 8, "pp": 1, "vpp": 1, "ep": 1, "dp": 8, "dp_flavor": "ddp", "mbs": 2, "gbs": 256,
+    "layout": {"tp": 8, "pp": 1, "vpp": 1, "ep": 1, "dp": 8, "dp_flavor": "ddp", "overlap_param_gather": False, "mbs": 2, "gbs": 256,
                "recompute": "none", "precision": "bf16"},
 }
 

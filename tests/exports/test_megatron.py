@@ -161,10 +161,9 @@ def test_mindspeed_script_carries_the_plan(tmp_path, fake_bin):
     assert as_int(values, "--num-experts") == plan.model.n_experts
     assert as_int(values, "--expert-model-parallel-size") == plan.layout.ep
     for flag in ("--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn",
-                 "--moe-alltoall-overlap-comm", "--moe-grouped-gemm"):
+                 "--moe-grouped-gemm", "--overlap-grad-reduce", "--overlap-param-gather"):
         assert flag in values
-    # MindSpeed's documented preconditions of --moe-alltoall-overlap-comm
-    assert values["--moe-token-dispatcher-type"] == ["alltoall"] and plan.layout.ep > 1
+    assert "--moe-alltoall-overlap-comm" not in values and not plan.layout.ep_comm_overlap
     assert as_int(values, "--padded-vocab-size") == plan.model.vocab_size
     assert launcher[launcher.index("--nproc_per_node") + 1] == "16"
     assert launcher[launcher.index("--nnodes") + 1] == "4"
@@ -210,3 +209,95 @@ def test_mindspeed_fsdp_uses_custom_fsdp_without_alltoall_overlap():
 def test_mindspeed_refuses_what_it_cannot_run(layout, key):
     with pytest.raises(InputError, match=key):
         render(plan_from_dict(variant(layout=layout)), "mindspeed")
+
+
+ALL_OVERLAPS = {"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": True,
+                "ep_comm_overlap": True}
+
+
+@pytest.mark.parametrize("switches", [
+    ALL_OVERLAPS, {k: False for k in ALL_OVERLAPS}, {"overlap_grad_reduce": True, "ep_comm_overlap": True},
+], ids=["all", "none", "grad-and-ep"])
+def test_every_overlap_switch_sets_its_megatron_flag(switches):
+    plan = plan_from_dict(variant(layout={**{k: False for k in ALL_OVERLAPS}, **switches}), "plan.yaml")
+    values = parse(megatron_argv(plan), MEGATRON_OPTIONS)
+    flags = {"overlap_grad_reduce": "--overlap-grad-reduce", "overlap_param_gather": "--overlap-param-gather",
+             "tp_comm_overlap": "--tp-comm-overlap", "ep_comm_overlap": "--overlap-moe-expert-parallel-comm"}
+    for key, flag in flags.items():
+        assert (flag in values) == bool(switches.get(key, False)), key
+
+
+def test_mindspeed_overlaps_tp_by_coc_and_ep_by_its_alltoall_overlap():
+    plan = plan_from_dict(variant(layout=ALL_OVERLAPS), "plan.yaml")
+    values = parse(mindspeed_argv(plan), {**MEGATRON_CORE_0_12_1_OPTIONS, **MINDSPEED_OPTIONS}, MINDSPEED_EXTRA_CHOICES)
+    for flag in ("--overlap-grad-reduce", "--overlap-param-gather", "--use-ascend-coc", "--moe-alltoall-overlap-comm"):
+        assert flag in values
+    assert "--tp-comm-overlap" not in values
+    # MindSpeed's documented preconditions of --moe-alltoall-overlap-comm
+    assert values["--moe-token-dispatcher-type"] == ["alltoall"] and plan.layout.ep > 1
+
+
+@pytest.mark.parametrize("layout, render_to, key", [
+    ({"tp_comm_overlap": True, "sequence_parallel": False}, "megatron", "layout.tp_comm_overlap"),
+    ({"overlap_param_gather": True, "overlap_grad_reduce": False}, "mindspeed", "layout.overlap_param_gather"),
+])
+def test_an_overlap_the_framework_cannot_run_is_refused_by_name(layout, render_to, key):
+    plan = plan_from_dict(variant(layout=layout), "plan.yaml")
+    with pytest.raises(InputError, match=key.replace(".", r"\.")) as refused:
+        render(plan, render_to, gpus_per_node=8)
+    assert "\n" not in str(refused.value)
+
+
+FRONTIER = EXAMPLE.parent
+FRONTIER_PLANS = ("deepseek_v3_gb200_256", "qwen3_235b_b200_256", "kimi_k2_gb300_256", "olmoe2_large_h100_64")
+
+
+@pytest.mark.parametrize("name", FRONTIER_PLANS)
+def test_megatron_carries_frontier_plans(tmp_path, fake_bin, name):
+    """Split, MLA, MTP, dispatcher and capacity options are Megatron's own (the d98e8a6 parser's
+    table), and they say what the plan says."""
+    from perfmodel.specs.stages import parse_pp_layout
+
+    plan = read_plan(FRONTIER / f"{name}.yaml")
+    _, argv = script_argv(tmp_path, fake_bin, render(plan, "megatron"), {"MEGATRON_LM_DIR": "/mlm"})
+    values = parse(argv, MEGATRON_OPTIONS)
+    m, lay = plan.model, plan.layout
+    if lay.pp_layout:
+        stages = parse_pp_layout(values["--pipeline-model-parallel-layout"][0])
+        assert len(stages) == lay.pp * lay.vpp and sum(s.count("t") for s in stages) == m.n_layers
+        assert sum(s.count("m") for s in stages) == m.n_mtp_layers == int(values.get("--mtp-num-layers", ["0"])[0])
+        assert "--num-layers-per-virtual-pipeline-stage" not in values  # vpp follows from the string
+    if lay.account_embedding:
+        assert "--account-for-embedding-in-pipeline-split" in values and "--account-for-loss-in-pipeline-split" in values
+    if m.kv_lora_rank:
+        assert "--multi-latent-attention" in values and as_int(values, "--kv-lora-rank") == m.kv_lora_rank
+        assert as_int(values, "--qk-head-dim") + as_int(values, "--qk-pos-emb-head-dim") == m.head_dim
+        assert as_int(values, "--v-head-dim") == m.v_head_dim and as_int(values, "--q-lora-rank") == m.q_lora_rank
+        assert values["--recompute-modules"] == ["core_attn", "mla_up_proj"]
+    if lay.dispatcher == "hybridep":
+        assert values["--moe-token-dispatcher-type"] == ["flex"]
+        assert values["--moe-flex-dispatcher-backend"] == ["hybridep"]
+    if lay.capacity_factor:
+        assert float(values["--moe-expert-capacity-factor"][0]) == lay.capacity_factor
+
+
+def test_megatron_and_mindspeed_split_options():
+    """first/last rank counts (+ virtual stages per rank), the balanced default as a layout string;
+    MindSpeed-LLM (core_v0.12.1 has no layout string) takes a per-rank --num-layer-list."""
+    data = variant(model={"n_layers": 30}, layout={"pp": 4, "vpp": 1, "dp": 2, "ep": 2, "tp": 8})
+    balanced = parse(megatron_argv(plan_from_dict(data)), MEGATRON_OPTIONS)
+    assert balanced["--pipeline-model-parallel-layout"] == ["Et*7|(t*8|)*2t*7L"]
+    mind = parse(mindspeed_argv(plan_from_dict(data)), {**MEGATRON_CORE_0_12_1_OPTIONS, **MINDSPEED_OPTIONS},
+                 MINDSPEED_EXTRA_CHOICES)
+    assert mind["--num-layer-list"] == ["7,8,8,7"]
+    data["layout"].update(vpp=2, first_stage_layers=6, last_stage_layers=8)
+    for table, argv in ((MEGATRON_OPTIONS, megatron_argv(plan_from_dict(data))),
+                        ({**MEGATRON_CORE_0_12_1_OPTIONS, **MINDSPEED_OPTIONS}, mindspeed_argv(plan_from_dict(data)))):
+        values = parse(argv, table, MINDSPEED_EXTRA_CHOICES)
+        assert values["--decoder-first-pipeline-num-layers"] == ["6"] and values["--decoder-last-pipeline-num-layers"] == ["8"]
+        assert values["--num-virtual-stages-per-pipeline-rank"] == ["2"]
+    data["layout"].update(first_stage_layers=None, last_stage_layers=None, pp_layout="Et*3|t*4|t*4|t*4|t*4|t*4|t*4|t*3L")
+    with pytest.raises(InputError, match="layout.pp_layout"):
+        mindspeed_argv(plan_from_dict(data))
+    with pytest.raises(InputError, match="layout.dispatcher"):
+        mindspeed_argv(plan_from_dict(variant(layout={"dispatcher": "deepep"})))

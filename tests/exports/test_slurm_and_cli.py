@@ -151,3 +151,17 @@ def test_cli_warns_about_model_differences(tmp_path):
 def test_cli_missing_plan_file(tmp_path):
     result = CliRunner().invoke(app, ["export", str(tmp_path / "none.yaml"), "--format", "slurm"])
     assert result.exit_code == 2 and "none.yaml" in result.output
+
+
+def test_slurm_runs_uneven_stages_and_refuses_what_the_trainer_cannot_run():
+    """The job is `mosaic train`: stages of unequal depth run (the trainer splits as the plan does);
+    MTP or a fused dispatcher are refused with the trainer's reason."""
+    from mosaic.exports import render
+    from mosaic.planfile import plan_from_dict, read_plan
+    from tests.exports._plans import EXAMPLE, variant
+
+    text = render(plan_from_dict(variant(model={"n_layers": 30}, layout={"pp": 4, "vpp": 1, "dp": 2, "tp": 8,
+                                                                          "ep": 2})), "slurm")
+    assert "mosaic.cli.app train --plan" in text
+    with pytest.raises(InputError, match="n_mtp_layers=1"):
+        render(read_plan(EXAMPLE.parent / "deepseek_v3_gb200_256.yaml"), "slurm")

@@ -13,7 +13,7 @@ except ModuleNotFoundError:  # Python 3.10: tomllib is 3.11+
     tomllib = pytest.importorskip("tomli", reason="Python 3.10 without tomli: no TOML parser to check the export")
 
 from mosaic.exports import render
-from mosaic.exports.torchtitan import flavor_module, flavor_name
+from mosaic.exports.torchtitan import flavor_module, flavor_name, job_tables
 from mosaic.planfile import plan_from_dict, read_plan
 from perfmodel.errors import InputError
 from tests.exports._plans import DEEPSEEK_LIKE, DENSE, EXAMPLE, variant
@@ -137,8 +137,8 @@ def test_torchtitan_fsdp_fp8_cp_and_differences():
 
 
 @pytest.mark.parametrize("layout", [
-    {"dp_flavor": "ddp"},  # ep=8 over tp*cp=2: needs a shard degree of 4 (HSDP)
-    {"dp_flavor": "ddp", "ep": 2},  # ep fits inside tp: pure DDP
+    {"dp_flavor": "ddp", "overlap_param_gather": False},  # ep=8 over tp*cp=2: needs a shard degree of 4 (HSDP)
+    {"dp_flavor": "ddp", "ep": 2, "overlap_param_gather": False},  # ep fits inside tp: pure DDP
     {"pp": 1, "vpp": 1, "dp": 32, "gbs": 512},  # no pipeline: gradient accumulation
     {"etp": 2, "ep": 4},
     {"precision": "mxfp8"},
@@ -150,7 +150,7 @@ def test_torchtitan_layouts_keep_the_invariants(layout):
 
 
 def test_torchtitan_ddp_uses_the_smallest_shard_that_holds_ep():
-    plan = plan_from_dict(variant(layout={"dp_flavor": "ddp"}))
+    plan = plan_from_dict(variant(layout={"dp_flavor": "ddp", "overlap_param_gather": False}))
     par = load(plan)["parallelism"]
     assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (2, 4)
     assert "2 replicas x 4 shards (HSDP)" in render(plan, "torchtitan")
@@ -171,3 +171,34 @@ def test_torchtitan_dense_model():
 def test_torchtitan_refuses_what_it_cannot_express(layout, key):
     with pytest.raises(InputError, match=key):
         render(plan_from_dict(variant(layout=layout)), "torchtitan")
+
+
+def test_torchtitan_overlaps_tensor_parallel_by_compiled_async_tp_and_refuses_ep_overlap():
+    plan = plan_from_dict(variant(layout={"tp_comm_overlap": True}), "plan.yaml")
+    tables = job_tables(plan)
+    assert tables["parallelism"]["enable_async_tensor_parallel"] is True and tables["compile"]["enable"] is True
+    assert "compile" not in job_tables(plan_from_dict(variant(), "plan.yaml"))
+    with pytest.raises(InputError, match=r"layout\.ep_comm_overlap"):
+        job_tables(plan_from_dict(variant(layout={"ep_comm_overlap": True}), "plan.yaml"))
+
+
+def test_torchtitan_frontier_plans_split_and_mla():
+    """Stages of unequal depth as module_fqns_per_model_part (every layer once, in order); MLA plans
+    register torchtitan's DeepSeek-V3 model args; MTP and hybridep are WARNING lines."""
+    from tests.exports.upstream_options import DEEPSEEK_V3_MODEL_ARGS
+
+    plan = read_plan(EXAMPLE.parent / "deepseek_v3_gb200_256.yaml")
+    tables = job_tables(plan)
+    parts = tables["parallelism"]["module_fqns_per_model_part"]
+    assert len(parts) == plan.layout.pp * plan.layout.vpp and "pipeline_parallel_layers_per_stage" not in tables["parallelism"]
+    layers = [name for part in parts for name in part if name.startswith("layers.")]
+    assert layers == [f"layers.{i}" for i in range(plan.model.n_layers)]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"] and len(parts[-1]) == 3
+    assert load(plan)["parallelism"]["module_fqns_per_model_part"] == parts  # every key a v0.2.2 JobConfig field
+    tree = ast.parse(flavor_module(plan))
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "DeepSeekV3ModelArgs")
+    args = {kw.arg: kw.value for kw in call.keywords}
+    assert set(args) <= set(DEEPSEEK_V3_MODEL_ARGS)
+    assert ast.literal_eval(args["kv_lora_rank"]) == 512 and ast.literal_eval(args["qk_nope_head_dim"]) == 128
+    text = render(plan, "torchtitan")
+    assert "WARNING: torchtitan has no multi-token prediction" in text and "no hybridep dispatcher" in text

@@ -20,8 +20,9 @@ MINDSPEED_OPTIONS: add_argument calls in Ascend/MindSpeed commit
 TORCHTITAN_JOB_KEYS: pytorch/torchtitan tag v0.2.2 (73a0e6979dd1, 2026-02-20),
   torchtitan/config/job_config.py: every field of the JobConfig dataclass tree
   (sections used by the exporter), walked with dataclasses.fields.
-QWEN3_MODEL_ARGS / MOE_ARGS: fields of Qwen3ModelArgs
-  (torchtitan/models/qwen3/model/args.py) and MoEArgs (torchtitan/models/moe/moe.py) at v0.2.2.
+QWEN3_MODEL_ARGS / DEEPSEEK_V3_MODEL_ARGS / MOE_ARGS: fields of Qwen3ModelArgs
+  (torchtitan/models/qwen3/model/args.py), DeepSeekV3ModelArgs (torchtitan/models/deepseek_v3/model/args.py)
+  and MoEArgs (torchtitan/models/moe/moe.py) at v0.2.2.
 TORCHTITAN_CONVERTERS: register_model_converter names in
   torchtitan/components/quantization/{float8,mx}.py at v0.2.2.
 PIPELINE_SCHEDULES: names accepted by torch.distributed.pipelining.schedules.get_schedule_class
@@ -32,6 +33,14 @@ TORCHRUN_OPTIONS: torch.distributed.run.get_args_parser() of torch 2.13.
 """
 
 MEGATRON_OPTIONS = {
+    # overlap switches: add_argument in arguments.py (--overlap-grad-reduce, --overlap-param-gather)
+    # and ModelParallelConfig bool fields turned into store_true flags by ArgumentGroupFactory
+    # (arguments.py `ArgumentGroupFactory(TransformerConfig)`; tp_comm_overlap,
+    # overlap_moe_expert_parallel_comm in megatron/core/model_parallel_config.py)
+    '--overlap-grad-reduce': (0, None),
+    '--overlap-param-gather': (0, None),
+    '--tp-comm-overlap': (0, None),
+    '--overlap-moe-expert-parallel-comm': (0, None),
     '--tensor-model-parallel-size': (1, None),
     '--pipeline-model-parallel-size': (1, None),
     '--num-layers-per-virtual-pipeline-stage': (1, None),
@@ -100,9 +109,28 @@ MEGATRON_OPTIONS = {
     '--no-gradient-accumulation-fusion': (0, None),
     '--distributed-backend': (1, ('nccl', 'gloo')),
     '--make-vocab-size-divisible-by': (1, None),
+    # pipeline split, MLA, MTP, dispatchers and capacity (issue 19), read from the same parser build
+    '--decoder-first-pipeline-num-layers': (1, None),
+    '--decoder-last-pipeline-num-layers': (1, None),
+    '--account-for-embedding-in-pipeline-split': (0, None),
+    '--account-for-loss-in-pipeline-split': (0, None),
+    '--pipeline-model-parallel-layout': (1, None),
+    '--num-virtual-stages-per-pipeline-rank': (1, None),
+    '--multi-latent-attention': (0, None),
+    '--q-lora-rank': (1, None),
+    '--kv-lora-rank': (1, None),
+    '--qk-head-dim': (1, None),
+    '--qk-pos-emb-head-dim': (1, None),
+    '--v-head-dim': (1, None),
+    '--mtp-num-layers': (1, None),
+    '--moe-expert-capacity-factor': (1, None),
+    '--moe-pad-expert-input-to-capacity': (0, None),
+    '--moe-flex-dispatcher-backend': (1, ('deepep', 'hybridep', 'ncclep')),
 }
 
 MEGATRON_CORE_0_12_1_OPTIONS = {
+    '--overlap-grad-reduce': (0, None),  # arguments.py add_argument at core_v0.12.1
+    '--overlap-param-gather': (0, None),  # (validate_args: needs --overlap-grad-reduce)
     '--tensor-model-parallel-size': (1, None),
     '--pipeline-model-parallel-size': (1, None),
     '--num-layers-per-virtual-pipeline-stage': (1, None),
@@ -171,9 +199,26 @@ MEGATRON_CORE_0_12_1_OPTIONS = {
     '--no-gradient-accumulation-fusion': (0, None),
     '--distributed-backend': (1, ('nccl', 'gloo')),
     '--make-vocab-size-divisible-by': (1, None),
+    # pipeline split, MLA, MTP and capacity (issue 19), read from the same parser build; this tag
+    # has no --pipeline-model-parallel-layout
+    '--decoder-first-pipeline-num-layers': (1, None),
+    '--decoder-last-pipeline-num-layers': (1, None),
+    '--account-for-embedding-in-pipeline-split': (0, None),
+    '--account-for-loss-in-pipeline-split': (0, None),
+    '--num-virtual-stages-per-pipeline-rank': (1, None),
+    '--multi-latent-attention': (0, None),
+    '--q-lora-rank': (1, None),
+    '--kv-lora-rank': (1, None),
+    '--qk-head-dim': (1, None),
+    '--qk-pos-emb-head-dim': (1, None),
+    '--v-head-dim': (1, None),
+    '--mtp-num-layers': (1, None),
+    '--moe-expert-capacity-factor': (1, None),
+    '--moe-pad-expert-input-to-capacity': (0, None),
 }
 
 TORCHTITAN_JOB_KEYS = {
+    'compile.enable': 'bool',
     'job.config_file': 'str | None',
     'job.dump_folder': 'str',
     'job.description': 'str',
@@ -254,9 +299,11 @@ MINDSPEED_OPTIONS = {
     "--use-fused-swiglu": (0, None),  # M mindspeed/features_manager/megatron_basic/megatron_basic.py
     "--use-fused-rotary-pos-emb": (0, None),  # M mindspeed/features_manager/fusions/fused_rope.py
     "--moe-alltoall-overlap-comm": (0, None),  # M mindspeed/features_manager/moe/moe_alltoall_overlap.py
+    "--use-ascend-coc": (0, None),  # M mindspeed/features_manager/tensor_parallel/locl_coc.py
     "--first-k-dense-replace": (1, None),  # L mindspeed_llm/features_manager/transformer/transformer_block.py
     "--tokenizer-name-or-path": (1, None),  # L mindspeed_llm/features_manager/tokenizer/build_tokenizer.py
     "--padded-vocab-size": (1, None),  # L mindspeed_llm/features_manager/tokenizer/build_tokenizer.py
+    "--num-layer-list": (1, None),  # L mindspeed_llm/features_manager/pipeline_parallel/num_layer_list.py
 }
 # Choices MindSpeed-LLM adds to Megatron options (add_parser_argument_choices_value in build_tokenizer.py).
 MINDSPEED_EXTRA_CHOICES = {"--tokenizer-type": ("PretrainedFromHF",)}
@@ -265,6 +312,12 @@ QWEN3_MODEL_ARGS = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "head_dim", "hidden_dim", "norm_eps", "rope_theta",
     "qk_norm", "max_seq_len", "depth_init", "attn_type", "attn_mask_type", "eos_id", "enable_weight_tying",
     "moe_enabled", "moe_inter_dim", "moe_args",
+)
+DEEPSEEK_V3_MODEL_ARGS = (  # torchtitan/models/deepseek_v3/model/args.py at v0.2.2 (DeepSeekV3ModelArgs fields)
+    "max_batch_size", "max_seq_len", "vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_dense_layers",
+    "n_heads", "norm_eps", "moe_args", "expert_parallel_comm_backend", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attn_type", "attn_mask_type", "original_seq_len",
+    "rope_theta", "rope_factor", "beta_fast", "beta_slow", "mscale",
 )
 MOE_ARGS = (
     "num_experts", "num_shared_experts", "score_func", "route_norm", "route_scale", "gate_bias",

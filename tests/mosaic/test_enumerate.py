@@ -17,7 +17,7 @@ from mosaic.planner.plan import solve
 from perfmodel.errors import InfeasibleError
 from perfmodel.memory import stage_memory
 from perfmodel.specs.architecture import model_flops_per_token, total_params
-from perfmodel.specs.layout import LayoutBatch, ParallelLayout
+from perfmodel.specs.layout import OVERLAP_FIELDS, LayoutBatch, ParallelLayout
 
 
 def _problem(law, space, prune=True, devices=64, days=5.0, cluster="h100"):
@@ -30,8 +30,11 @@ def test_enumeration_matches_a_brute_force_loop(law, space):
     ranked = rank_cluster_optimal(p, top=len(p.geoms))
     lay_space = space.layout
     layouts = []
-    for tp, pp, ep, flavor, rec in itertools.product((1, 2), (1, 2), lay_space.ep, lay_space.dp_flavor, lay_space.recompute):
-        lay = ParallelLayout(tp=tp, pp=pp, ep=ep, dp_flavor=flavor, recompute=rec, sequence_parallel=tp > 1).resolve(64)
+    overlaps = itertools.product(*(getattr(lay_space, key) for key in OVERLAP_FIELDS))
+    for tp, pp, ep, flavor, rec, ov in itertools.product((1, 2), (1, 2), lay_space.ep, lay_space.dp_flavor,
+                                                         lay_space.recompute, list(overlaps)):
+        lay = ParallelLayout(tp=tp, pp=pp, ep=ep, dp_flavor=flavor, recompute=rec, sequence_parallel=tp > 1,
+                             **dict(zip(OVERLAP_FIELDS, ov))).resolve(64)
         unit = lay.mbs * lay.dp
         layouts.append(dataclasses.replace(lay, gbs=int(np.ceil(np.ceil(8.0e6 / 4096) / unit)) * unit))
     batch = LayoutBatch.stack(layouts)

@@ -87,3 +87,24 @@ def test_no_layout_divides_devices_is_an_input_error():
     resolved = resolve_space(space, node_devices=8, compute_optimal_flops=1e22)
     with pytest.raises(InputError, match="divides devices=7"):
         layout_grid(resolved, devices=7)
+
+
+def test_overlap_lists_cross_into_the_grid_and_the_planner_chooses():
+    """Listing [false, true] puts both settings of a switch into the grid; the default space
+    lists the data-parallel overlaps on (the published recipes'), the others off."""
+    resolved = resolve_space(load_space(), node_devices=8, compute_optimal_flops=1e22)
+    grid = layout_grid(resolved, devices=64)
+    assert grid.overlap_grad_reduce.all() and grid.overlap_param_gather.all()
+    assert not grid.tp_comm_overlap.any() and not grid.ep_comm_overlap.any()
+    both = load_space().replace_layout(overlap_grad_reduce=(False, True), ep_comm_overlap=(False, True))
+    grid2 = layout_grid(resolve_space(both, node_devices=8, compute_optimal_flops=1e22), devices=64)
+    assert len(grid2) == 4 * len(grid)
+    assert {(bool(a), bool(b)) for a, b in zip(grid2.overlap_grad_reduce, grid2.ep_comm_overlap)} == {
+        (False, False), (False, True), (True, False), (True, True)}
+
+
+def test_a_bad_overlap_list_names_the_key():
+    data = yaml.safe_load(default_space_path().read_text())
+    data["layout"]["ep_comm_overlap"] = []
+    with pytest.raises(InputError, match="ep_comm_overlap"):
+        space_from_dict(data, "space.yaml")

@@ -108,3 +108,29 @@ def test_model_file_errors(tmp_path):
     bad.write_text("version: 1\nn_layers: 2\n")
     result = run("--cluster", "h100", "--model", str(bad), "--layout", "tp=1")
     assert result.exit_code == 2 and "missing key" in result.output
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_gb200_256", "qwen3_235b_b200_256", "kimi_k2_gb300_256",
+                                  "olmoe2_large_h100_64"])
+def test_frontier_plans_predict(name):
+    """The example plans predict through --plan (their model, resolved layout, devices, cluster),
+    feasibly, stating the resolved pipeline split."""
+    import json
+
+    result = run("--plan", f"examples/plans/{name}.yaml", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["feasible"] and data["devices"] in (64, 256)
+    assert data["pipeline_split"].startswith("E") or data["layout"]["pp"] == 1
+
+
+def test_balanced_default_and_missing_dispatcher_in_the_cli():
+    import json
+
+    result = run("--cluster", "h100", "--model", "examples/models/deepseek_v3.yaml", "--layout", "pp=8,ep=8,recompute=full",
+                 "--devices", "256", "--json")
+    split = json.loads(result.stdout)["pipeline_split"]
+    assert split == "Et*6|(t*8|)*6t*7mL (balanced: pp*vpp=8 does not divide n_layers=61)"
+    bad = run("--cluster", "h100", "--model", "examples/models/deepseek_v3.yaml", "--layout", "ep=8,dispatcher=deepep",
+              "--devices", "8")
+    assert bad.exit_code == 2 and "dispatcher=deepep" in bad.output and len(bad.output.strip().splitlines()) == 1

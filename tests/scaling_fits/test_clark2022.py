@@ -61,7 +61,9 @@ def test_converted_runs_load(tmp_path):
     path = tmp_path / "runs.csv"
     convert(curves()).to_csv(path, index=False)
     data = load_runs(path)
-    assert data.n_runs == 3 and data.n_points == 12
+    assert data.n_runs == 3 and data.n_points == 3          # default: the final evaluation of each run only
+    assert data.source_names == ("clark2022",)
+    assert set(convert(curves())["step"]) == {250_000}
 
 
 @pytest.mark.skipif(not SHARED_CURVES.is_file(), reason="../shared/data (Clark et al. curves) is not beside this checkout")
@@ -69,6 +71,6 @@ def test_bundled_csv_is_the_conversion_of_the_shared_data():
     ours = convert(pd.read_csv(SHARED_CURVES))
     bundled = pd.read_csv(BUNDLED)
     assert list(bundled.columns) == list(ours.columns)
-    assert len(bundled) == len(ours) == 1598 and bundled["run_id"].nunique() == 100
+    assert len(bundled) == len(ours) == bundled["run_id"].nunique() == ours["run_id"].nunique()
     for col in ("n_total", "n_active", "sparsity", "tokens", "loss", "weight"):
         np.testing.assert_allclose(bundled[col].to_numpy(), ours[col].to_numpy(), rtol=1e-9, err_msg=col)

@@ -72,3 +72,28 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     one_line_error(runner.invoke(app, ["fit", str(good), "--law", "kaplan"]), "error: unknown law 'kaplan'")
     one_line_error(runner.invoke(app, ["fit", str(good), "--fix", "eta"]), "error: --fix 'eta'")
     one_line_error(runner.invoke(app, ["fit", str(good), "-o", str(tmp_path / "no" / "fit.yaml")]), "error: --output")
+
+
+def test_per_source_irreducible_loss_and_not_identified_flags(tmp_path):
+    rng = np.random.default_rng(2)
+    n, d = np.repeat(np.geomspace(1e8, 1e10, 6), 4), np.tile(np.geomspace(1e9, 1e11, 4), 6)
+    frames = []
+    for source, e in (("corpus_a", 1.7), ("corpus_b", 2.1)):
+        loss = (e + 400 / n ** 0.34 + 400 / d ** 0.28) * np.exp(0.003 * rng.standard_normal(n.size))
+        frames.append(pd.DataFrame({"run_id": [f"{source}-{i}" for i in np.repeat(np.arange(6), 4)], "source": source,
+                                    "n_total": n, "tokens": d, "loss": loss}))
+    path = tmp_path / "two.csv"
+    pd.concat(frames).to_csv(path, index=False)
+    out = tmp_path / "fit.yaml"
+    result = CliRunner().invoke(app, ["fit", str(path), "--law", "chinchilla", "--per-source", "E", "--reference-source",
+                                      "corpus_b", "--starts", "8", "--bootstrap", "0", "--no-loo", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "source corpus_a" in result.output and "(reference)" in result.output
+    fit = load_fit(out)
+    assert abs(fit.params["E"] / 2.1 - 1) < 0.03                     # the reference source's irreducible loss
+    assert abs(fit.metrics["sources"]["corpus_a"]["E"] / 1.7 - 1) < 0.03
+    # mosaic4d on dense G = 1 runs: the terms they cannot see are flagged on the table
+    result = CliRunner().invoke(app, ["fit", str(runs_csv(tmp_path)), "--starts", "4", "--bootstrap", "0", "--no-loo",
+                                      "--holdout-top", "0"])
+    assert result.exit_code == 0, result.output
+    assert "NOT IDENTIFIED" in result.output and "not identified by these runs" in result.output

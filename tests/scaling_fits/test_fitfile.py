@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import scaling_fits
 from scaling_fits import FitDataError, FittedLaw, load_fit
 from scaling_fits.data import file_sha256, from_arrays
 from scaling_fits.fitfile import dump_fit, from_mapping, write_fit
+from scaling_fits.granularity import KRAJEWSKI_2024, calibrate_eta
 from scaling_fits.pipeline import fit_law
 
 PKG = Path(scaling_fits.__file__).resolve().parent
@@ -90,16 +92,25 @@ def test_missing_and_malformed_files(tmp_path):
 def test_bundled_default_fit_is_what_the_planner_gets():
     fit = load_fit(None)
     assert fit.name == "mosaic4d" and fit.fixed == ("eta",)
-    assert fit.params["eta"] == 0.58
+    # eta: calibrated to Krajewski et al. 2024's measured granularity effect (the runs all have G = 1)
+    assert fit.params["eta"] == pytest.approx(calibrate_eta(fit.law, fit.params, KRAJEWSKI_2024["table1"]), rel=1e-6)
     assert set(fit.params) == {"a", "alpha", "b", "beta", "c", "lambda", "j", "delta", "gamma", "eta", "e"}
     prov = fit.provenance
-    assert prov["priors"]["eta"]["value"] == 0.58 and "Krajewski" in prov["priors"]["eta"]["source"]
-    assert prov["data"]["sha256"] == file_sha256(PKG / "data" / "clark2022_runs.csv")
+    assert prov["priors"]["eta"]["value"] == fit.params["eta"] and "Krajewski" in prov["priors"]["eta"]["point"]
+    parts = [file_sha256(PKG / "data" / name) for name in ("clark2022_runs.csv", "chinchilla2022_runs.csv")]
+    assert prov["data"]["sha256"] == hashlib.sha256("\x00".join(parts).encode()).hexdigest()
     assert any("Clark et al. 2022" in s for s in prov["sources"])
+    assert any("Hoffmann et al. 2022" in s for s in prov["sources"])
+    assert prov["data"]["sources"] == ["chinchilla2022", "clark2022"]
     for key in ("fit_date", "fitter"):
         assert key in prov
     m = fit.metrics
     assert m["mape_in_sample"] < 0.02 and m["mape_holdout"] < 0.03
+    # the irreducible loss is measured (not at a bound, not flagged), once per source
+    assert "e" not in m["identifiability"]["flagged"]
+    assert m["sources"]["clark2022"]["reference"] and m["sources"]["clark2022"]["e"] == fit.params["e"]
+    lo, hi = m["sources"]["chinchilla2022"]["e_ci"]
+    assert lo <= m["sources"]["chinchilla2022"]["e"] <= hi
     # vectorised, broadcasting prediction and bootstrap samples
     n = np.geomspace(1e9, 1e12, 7)[:, None]
     s = np.array([0.0, 0.5, 0.9, 0.97])[None, :]

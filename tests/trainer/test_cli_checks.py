@@ -149,3 +149,21 @@ def test_cuda_without_cluster_takes_the_bundled_cluster_of_the_gpu_or_names_the_
         with pytest.raises(InputError, match="^--cluster: not given, .*'NVIDIA L4'.* h100, h200"):
             train_cmd.build_config(**build)
     assert not (tmp_path / "run").exists()
+
+
+def test_ddp_under_tensor_parallel_is_refused_where_torch_has_no_fsdp2_replicate(monkeypatch):
+    """torch 2.6 (the oldest the project declares) has no FSDP2 replicate, which ddp with tp or pp runs through."""
+    from mosaic.trainer import config as trainer_config
+    from perfmodel.errors import InputError
+    from perfmodel.specs.architecture import MoEArchitecture
+    from perfmodel.specs.layout import parse_layout
+
+    arch = MoEArchitecture(**TINY_MODEL)
+    layout = parse_layout("dp=2,tp=2,mbs=2,gbs=8,dp_flavor=ddp")
+    monkeypatch.setattr(trainer_config, "_has_module", lambda name: name != trainer_config.REPLICATE_MODULE)
+    with pytest.raises(InputError, match="dp_flavor=ddp with tp or pp > 1 .* use dp_flavor=zero1"):
+        trainer_config.check_runnable(arch, layout, 4)
+    trainer_config.check_runnable(arch, parse_layout("dp=2,tp=2,mbs=2,gbs=8,dp_flavor=zero1"), 4)
+    trainer_config.check_runnable(arch, parse_layout("dp=4,mbs=2,gbs=8,dp_flavor=ddp"), 4)  # plain DDP: any torch
+    monkeypatch.setattr(trainer_config, "_has_module", lambda name: True)
+    trainer_config.check_runnable(arch, layout, 4)

@@ -76,6 +76,25 @@ def test_synthetic_samples_depend_on_index_only_and_are_learnable():
     assert 0 < data.entropy_nats() < np.log(64)
 
 
+def _chain_step_by_step(succ, start, follow, noise):
+    """The chain's definition, one position at a time (the loop SyntheticTokens.chain replaces)."""
+    seq = np.empty((len(start), follow.shape[1] + 1), dtype=np.int64)
+    seq[:, 0] = start
+    for t in range(follow.shape[1]):
+        seq[:, t + 1] = np.where(follow[:, t], succ[seq[:, t]], noise[:, t])
+    return seq
+
+
+@pytest.mark.parametrize("vocab,T,p", [(64, 32, 0.8), (50304, 4096, 0.8), (7, 100, 0.99), (16, 20, 1.0), (16, 20, 0.0)])
+def test_synthetic_chain_equals_stepping_it_position_by_position(vocab, T, p):
+    data = SyntheticTokens(vocab_size=vocab, seq_len=T, seed=3, p_follow=p)
+    rng = np.random.default_rng(11)
+    start = rng.integers(vocab, size=3)
+    follow = rng.random((3, T)) < p
+    noise = rng.integers(vocab, size=(3, T))
+    assert (data.chain(start, follow, noise) == _chain_step_by_step(data.succ, start, follow, noise)).all()
+
+
 @pytest.mark.parametrize("dp,mbs", [(1, 2), (2, 2), (4, 1), (4, 2)])
 def test_ranks_split_the_global_batch_exactly(dp, mbs):
     gbs, step = 8, 3

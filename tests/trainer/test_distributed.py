@@ -55,8 +55,8 @@ def test_loss_decreases_and_metrics_have_the_calibration_keys(runs, cli):
     assert losses[-1] < losses[0] - 0.3, losses
     rows = [json.loads(line) for line in (runs["dp2xep2_fsdp"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    keys = ["step", "loss", "aux_loss", "tokens_per_s", "step_time_s", "mfu", "tflops_per_device",
-            "peak_memory_bytes", "expert_imbalance"]
+    keys = ["step", "loss", "aux_loss", "tokens_per_s", "step_time_s", "mfu", "mfu_palm", "tflops_per_device",
+            "peak_memory_bytes", "expert_imbalance", "val_loss"]
     for row in rows:
         assert list(row) == keys
         assert row["tokens_per_s"] == pytest.approx(8 * 16 / row["step_time_s"])

@@ -1,8 +1,10 @@
 """Trainer part 2: tensor, pipeline (1F1B, interleaved), recompute and precision.
 
 Parity: every 4-rank layout of the issue (tp=2 x dp=2, pp=2 x dp=2, pp=2 x ep=2, tp=2 x ep=2,
-plus interleaved pp=2 x vpp=2 x ep=2 with full recompute, pp=2 x tp=2 with sequence parallel
-and expert-tensor parallel etp=2) trains the first 5 steps to the losses of the single-process run (fp32, rtol 1e-5).
+plus interleaved pp=2 x vpp=2 x ep=2 with full recompute, pp=2 x tp=2 with sequence parallel,
+expert-tensor parallel etp=2, pipeline stages of unequal depth (balanced, first/last, a layout
+string) and multi-head latent attention) trains the first 5 steps to the losses of the
+single-process run (fp32, rtol 1e-5).
 To keep the launches few, one torchrun of 4 ranks trains all parallel layouts one after the
 other in the same processes (`run(..., keep_process_group=True)`), then resumes two of them
 from their step-3 checkpoints, and one torchrun of 1 rank trains the references (recompute
@@ -33,6 +35,9 @@ TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, vocab_s
 
 STEPS = 5
 TINY4 = {**TINY, "n_layers": 4}  # pp*vpp = 4 chunks need 4 layers
+TINY5 = {**TINY, "n_layers": 5}  # no pp*vpp > 1 divides it: uneven stages
+TINY_MLA = {**TINY, "n_kv_heads": 4, "head_dim": 12, "kv_lora_rank": 10, "q_lora_rank": 12, "qk_rope_head_dim": 4,
+            "v_head_dim": 6}  # multi-head latent attention
 
 REFERENCES = {
     # name: (model, layout)   one process
@@ -40,6 +45,9 @@ REFERENCES = {
     "ref_full": (TINY, "dp=1,mbs=2,gbs=8,recompute=full"),
     "ref_selective": (TINY, "dp=1,mbs=2,gbs=8,recompute=selective"),
     "ref4_mbs1": (TINY4, "dp=1,mbs=1,gbs=8"),
+    "ref5": (TINY5, "dp=1,mbs=2,gbs=8"),
+    "ref5_mbs1": (TINY5, "dp=1,mbs=1,gbs=8"),
+    "ref_mla": (TINY_MLA, "dp=1,mbs=2,gbs=8"),
 }
 PARALLEL = {
     # name: (model, layout, reference)   four ranks; ep carved out of tp*dp (parallel folding)
@@ -52,6 +60,13 @@ PARALLEL = {
     # expert-tensor parallel: d_expert split over etp (edp = 1, then edp = 2)
     "tp2_ep2_etp2_sp": (TINY, "tp=2,dp=2,ep=2,etp=2,mbs=2,gbs=8,sequence_parallel=true", "ref"),
     "dp4_etp2": (TINY, "dp=4,etp=2,mbs=2,gbs=8,dp_flavor=ddp", "ref"),
+    # stages of unequal depth: the balanced default (2 + 3 layers), Megatron's first/last rank
+    # counts (1 | 1 | 1 | 2), its layout string with interleaving (E t | t t | t | t L)
+    "pp2_balanced_dp2": (TINY5, "pp=2,dp=2,mbs=2,gbs=8,dp_flavor=ddp", "ref5"),
+    "pp4_first_last": (TINY5, "pp=4,first_stage_layers=1,last_stage_layers=2,mbs=2,gbs=8", "ref5"),
+    "pp2_vpp2_layout_ep2": (TINY5, "pp=2,vpp=2,pp_layout=Et|tt|t|tL,dp=2,ep=2,mbs=1,gbs=8", "ref5_mbs1"),
+    # multi-head latent attention through the pipeline and expert parallel
+    "pp2_mla_ep2": (TINY_MLA, "pp=2,dp=2,ep=2,mbs=2,gbs=8,recompute=selective", "ref_mla"),
 }
 
 RESUMED = ("pp2_ep2", "tp2_ep2_etp2_sp")
@@ -197,6 +212,12 @@ def test_pipeline_split_follows_the_performance_model():
         assert torch.equal(p, full[name])
     (_, first), _ = split_model(model, pp=2, vpp=2, pp_rank=0)
     assert first.tok_embeddings is not None and first.output is None
+    # uneven: the balanced default, Megatron's first/last ranks and its layout string
+    assert [len(r) for r in chunk_layers(5, 2, 1)] == [2, 3]
+    assert [len(r) for r in chunk_layers(5, 4, 1, parse_layout("pp=4,first_stage_layers=1,last_stage_layers=2"))] \
+        == [1, 1, 1, 2]
+    assert [list(r) for r in chunk_layers(5, 2, 2, parse_layout("pp=2,vpp=2,pp_layout=Et|tt|t|tL"))] \
+        == [[0], [1, 2], [3], [4]]
 
 
 def _arch(**changes) -> MoEArchitecture:
