@@ -12,7 +12,10 @@ adds what the measured tables (`perfmodel/data/kernels/*.csv`) give through `per
 - per fabric level: `latency_s` (one collective step) and `collective_efficiency`, fitted to the
   sizes and spans measured on that level.
 Figures without rows of their own are carried over by the rules of `perfmodel.kernels.derive`
-and say so (`derived`). `mosaic calibrate` calls `build_cluster` with its own measurements.
+and say so (`derived`); a fallback to "any accelerator" draws on accelerators of its kind only
+(CPUs for a CPU, GPUs and NPUs for the others: `TableSet.peers`). `mosaic calibrate` calls
+`build_cluster` with its own measurements: its machine is a `MeasuredAccelerator`, a generation
+of its own whose unmeasured figures come from the base cluster's accelerator.
 """
 
 from __future__ import annotations
@@ -80,12 +83,36 @@ def _round(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-class TableSet:
-    """The tables and every accelerator's datasheet figures the fits need."""
+@dataclass(frozen=True)
+class MeasuredAccelerator:
+    """An accelerator the bundled rules (`derive`) do not name: a machine `mosaic calibrate` measured.
 
-    def __init__(self, tables: Mapping[str, KernelTable], sheets: Mapping[str, Mapping[str, Any]]) -> None:
+    It is a GEMM generation of its own whose shape halves are fitted per precision (its rows are
+    a grid of shapes per precision, and a CPU's fp32 FMA units and its bf16 matrix units are
+    different engines); what it did not measure comes from `like` (the base cluster's
+    accelerator) at `like`'s achieved rate, by the rules of `derive`. `cpu`: its fallbacks to
+    "any accelerator" draw on CPUs only (and an accelerator's never on a CPU's)."""
+
+    like: Optional[str]
+    reason: str
+    cpu: bool
+
+
+class TableSet:
+    """The tables and every accelerator's datasheet figures the fits need (and the rules of
+    `derive`, extended by `measured`: accelerators a calibration measured)."""
+
+    def __init__(self, tables: Mapping[str, KernelTable], sheets: Mapping[str, Mapping[str, Any]],
+                 measured: Optional[Mapping[str, MeasuredAccelerator]] = None) -> None:
         self.tables = tables
         self.sheets = dict(sheets)
+        measured = dict(measured or {})
+        self.generation = dict(derive.GENERATION) | {acc: acc for acc in measured}
+        self.nearest = dict(derive.NEAREST) | {
+            acc: ((m.like, 1.0, m.reason),) if m.like else () for acc, m in measured.items()}
+        self.per_precision = set(derive.HALVES_PER_PRECISION) | set(measured)
+        """Generations whose GEMM shape halves are fitted per precision (their family is the precision)."""
+        self.cpus = {a for a, g in self.generation.items() if g == "cpu"} | {a for a, m in measured.items() if m.cpu}
         self.acc_of = {name: derive.TABLE_ACCELERATOR.get(name, name) for name in self.sheets}
         self.peaks: dict[tuple[str, str], float] = {}
         self.hbm: dict[str, float] = {}
@@ -96,12 +123,24 @@ class TableSet:
                 self.peaks[(acc, prec)] = value
         self._memory: dict[str, tuple[dict[str, FitResult], float]] = {}
         self._gemm: dict[tuple[str, bool], tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]] = {}
-        self._attention: dict[str, Optional[FitResult]] = {}
+        self._attention: dict[tuple[str, Optional[str]], Optional[FitResult]] = {}
+        self._span: dict[tuple[str, str], Optional[SpanFit]] = {}
         self.borrowed_halves: set[tuple[str, str]] = set()
         """(generation, family) pairs whose dense shape halves are SHAPE_GENERATION's."""
         self._copy: dict[str, tuple[float, float]] = {}
         self.tied_halves: set[tuple[str, str]] = set()
         """(generation, family) pairs measured on squares only: one half for m, n and k."""
+
+    def family(self, generation: str, precision: str) -> str:
+        """The GEMM fit family of `precision` in `generation`: the precision itself where the
+        generation fits halves per precision (`per_precision`), else `derive.HALVES_FAMILY`'s."""
+        return precision if generation in self.per_precision else derive.HALVES_FAMILY[precision]
+
+    def peers(self, acc: str) -> list[str]:
+        """Accelerators a figure of `acc` may fall back to when no rule names one: those of its kind
+        (CPUs for a CPU, GPUs and NPUs for an accelerator), sorted."""
+        cpu = acc in self.cpus
+        return sorted(a for a in self.hbm if (a in self.cpus) == cpu)
 
     # -- memory ----------------------------------------------------------------------------
     def memory(self, acc: str) -> tuple[dict[str, FitResult], float]:
@@ -124,12 +163,13 @@ class TableSet:
     def gemm(self, generation: str, grouped: bool, family: str = "wide"
              ) -> tuple[tuple[float, float, float], dict[tuple[str, ...], FitResult]]:
         """Shape halves and per-(accelerator, precision[, phase]) fits of one generation's GEMMs of
-        one precision family (`derive.HALVES_FAMILY`)."""
+        one precision family (`family`)."""
         key = (generation, grouped, family)
         if key not in self._gemm:
-            accs = sorted(a for a, g in derive.GENERATION.items() if g == generation and a in self.hbm)
+            accs = sorted(a for a, g in self.generation.items() if g == generation and a in self.hbm)
             table = self.tables["grouped_gemm" if grouped else "gemm"]
-            in_family = np.asarray([derive.HALVES_FAMILY.get(str(p)) == family for p in table["precision"]], dtype=bool)
+            in_family = np.asarray([str(p) in derive.HALVES_FAMILY and self.family(generation, str(p)) == family
+                                    for p in table["precision"]], dtype=bool)
             mask = np.isin(table["accelerator"], accs) & (table["excluded"] == "") & in_family
             rows = table.select(mask)
             # grouped kernels get shape halves of their own where the generation measured enough
@@ -141,7 +181,7 @@ class TableSet:
             if not grouped and n_shaped < MIN_SHAPE_ROWS and generation != SHAPE_GENERATION:
                 # too few measured shapes to fit halves (best-of-search rows fix e_max only): the
                 # generation with the most measured shapes lends its halves of the same family
-                dense_halves = self.gemm(SHAPE_GENERATION, False, family)[0]
+                dense_halves = self.gemm(SHAPE_GENERATION, False, derive.HALVES_FAMILY.get(family, family))[0]
                 self.borrowed_halves.add((generation, family))
             if tied:
                 self.tied_halves.add((generation, family))
@@ -163,18 +203,19 @@ class TableSet:
 
     def wgrad_ratio(self) -> Optional[tuple[float, str, tuple[str, ...]]]:
         """Median wgrad/fwd e_max of the (accelerator, precision) pairs that measured both alone,
-        over every generation (fitted once, from those rows only)."""
+        over every generation of GPUs and NPUs (a CPU's torch kernels are not their libraries;
+        fitted once, from those rows only)."""
         if not hasattr(self, "_wgrad"):
             table = self.tables["grouped_gemm"]
             alone = table.select((table["excluded"] == "") & np.isin(table["phase"], ("fwd", "wgrad")))
             pairs = {(str(a), str(p)) for a, p, ph in zip(alone["accelerator"], alone["precision"], alone["phase"])
-                     if ph == "wgrad"}
+                     if ph == "wgrad" and str(a) not in self.cpus}
             pairs = {pp for pp in pairs if any((str(a), str(p), ph) == (pp[0], pp[1], "fwd")
                                                for a, p, ph in zip(alone["accelerator"], alone["precision"], alone["phase"]))}
             ratios, srcs, names = [], [], []
             for acc, prec in sorted(pairs):
-                gen = derive.GENERATION[acc]
-                dense_halves = self.gemm(gen, False, derive.HALVES_FAMILY[prec])[0]
+                gen = self.generation[acc]
+                dense_halves = self.gemm(gen, False, self.family(gen, prec))[0]
                 mine = alone.select((alone["accelerator"] == acc) & (alone["precision"] == prec))
                 entries, measured = gemm_entries(mine, self.peaks, self.hbm, {acc: self.copy_figures(acc)[0]}, True)
                 keep = _shaped(mine, self.peaks, True)
@@ -187,13 +228,19 @@ class TableSet:
         return self._wgrad
 
     # -- attention ---------------------------------------------------------------------------
-    def attention(self, acc: str) -> Optional[FitResult]:
-        if acc not in self._attention:
+    def attention(self, acc: str, precision: Optional[str] = None) -> Optional[FitResult]:
+        """The fit of `acc`'s attention rows at the bf16 (else fp16, fp32) peak; with `precision`,
+        of its rows of that precision at that precision's peak (None when it has none)."""
+        if (acc, precision) not in self._attention:
             rows = self.tables["attention"].rows_of(acc)
             rows = rows.select(np.isfinite(rows["tflops"]) & np.isfinite(rows["seq_len"]) & np.isfinite(rows["head_dim"]))
-            peak = self.peaks.get((acc, "bf16")) or self.peaks.get((acc, "fp16")) or self.peaks.get((acc, "fp32"))
-            self._attention[acc] = fit_attention(rows, peak) if len(rows) and peak else None
-        return self._attention[acc]
+            if precision is not None:
+                rows = rows.select(rows["precision"] == precision)
+                peak = self.peaks.get((acc, precision))
+            else:
+                peak = self.peaks.get((acc, "bf16")) or self.peaks.get((acc, "fp16")) or self.peaks.get((acc, "fp32"))
+            self._attention[(acc, precision)] = fit_attention(rows, peak) if len(rows) and peak else None
+        return self._attention[(acc, precision)]
 
 
 MIN_ASPECTS = 3
@@ -246,11 +293,11 @@ def _rate_scale(ts: TableSet, acc: str, other: str, precision: str, factor: floa
 
 def gemm_figures(ts: TableSet, acc: str, precisions: Sequence[str], grouped: bool) -> dict[str, Any]:
     """dense: {precision: record}; grouped: {precision: {fwd, dgrad, wgrad: record}}."""
-    generation = derive.GENERATION[acc]
+    generation = ts.generation[acc]
     phases = GEMM_PHASES if grouped else ("",)
     out: dict[str, Any] = {}
     for precision in precisions:
-        family = derive.HALVES_FAMILY[precision]
+        family = ts.family(generation, precision)
         halves, fits = ts.gemm(generation, grouped, family)
         per_phase: dict[str, Any] = {}
         for phase in phases:
@@ -293,17 +340,18 @@ def _one_gemm(ts: TableSet, acc: str, precision: str, phase: str, grouped: bool,
                                 tuple(r.sources) + tuple(srcs))
     fallback = derive.PRECISION_FALLBACK.get(precision)
     fb_halves, fb_fits = halves, fits
-    if fallback is not None and derive.HALVES_FAMILY[fallback[0]] != derive.HALVES_FAMILY[precision]:
-        fb_halves, fb_fits = ts.gemm(derive.GENERATION[acc], grouped, derive.HALVES_FAMILY[fallback[0]])
+    generation = ts.generation[acc]
+    if fallback is not None and ts.family(generation, fallback[0]) != ts.family(generation, precision):
+        fb_halves, fb_fits = ts.gemm(generation, grouped, ts.family(generation, fallback[0]))
     if fallback is not None and (acc, fallback[0]) in ts.peaks:
         fb_key = _key(acc, fallback[0], phase)
         if fb_key in fb_fits or (grouped and _key(acc, fallback[0], "fwd") in fb_fits):
             inner = _one_gemm(ts, acc, fallback[0], phase, grouped, fb_halves, fb_fits, seen | {key})
             return _derived(inner, f"{precision} = {fallback[0]}'s figure: {fallback[1]}")
-    for other, factor, reason in derive.NEAREST.get(acc, ()):
-        if grouped and derive.GENERATION[other] != derive.GENERATION[acc]:
+    for other, factor, reason in ts.nearest.get(acc, ()):
+        if grouped and ts.generation[other] != ts.generation[acc]:
             continue  # another generation's grouped kernels: this part's dense figure x the ratio (below)
-        ohalves, ofits = ts.gemm(derive.GENERATION[other], grouped, derive.HALVES_FAMILY[precision])
+        ohalves, ofits = ts.gemm(ts.generation[other], grouped, ts.family(ts.generation[other], precision))
         if _key(other, precision, phase) in ofits or (grouped and _key(other, precision, "fwd") in ofits):
             inner = _one_gemm(ts, other, precision, phase, grouped, ohalves, ofits, seen | {key})
             e = inner["e_max"] * _rate_scale(ts, acc, other, precision, factor)
@@ -343,49 +391,45 @@ def _derived(inner: Mapping[str, Any], rule: str) -> dict[str, Any]:
 def _grouped_over_dense(ts: TableSet, acc: str, precision: str, phase: str) -> Optional[tuple[float, str, str]]:
     """The grouped/dense e_max ratio of `phase` on the nearest accelerator (then any) that measured
     both for `precision` (or bf16)."""
-    order = [o for o, _, _ in derive.NEAREST.get(acc, ())] + sorted(ts.hbm)
+    order = [o for o, _, _ in ts.nearest.get(acc, ())] + ts.peers(acc)
     for prec in (precision, "bf16"):
         for other in order:
-            family = derive.HALVES_FAMILY[prec]
-            _, gfits = ts.gemm(derive.GENERATION[other], True, family)
-            _, dfits = ts.gemm(derive.GENERATION[other], False, family)
+            family = ts.family(ts.generation[other], prec)
+            ghalves, gfits = ts.gemm(ts.generation[other], True, family)
+            _, dfits = ts.gemm(ts.generation[other], False, family)
             gkey = _key(other, prec, "fwd")
             if gkey in gfits and (other, prec) in dfits:
-                grouped = _one_gemm(ts, other, prec, phase, True, ts.gemm(derive.GENERATION[other], True, family)[0],
-                                    gfits)
+                grouped = _one_gemm(ts, other, prec, phase, True, ghalves, gfits)
                 ratio = grouped["e_max"] / dfits[(other, prec)].params["e_max"]
                 return ratio, f"{other} {prec}", grouped["source"]
     return None
 
 
 def attention_figures(ts: TableSet, acc: str, precisions: Sequence[str]) -> dict[str, Any]:
-    """One record for every precision the attention core may run at (it runs bf16 under fp8)."""
+    """One record for every precision the attention core may run at (it runs bf16 under fp8): the
+    fit of that precision's own rows at its peak where it has some (a CPU trainer's fp32
+    attention), else the fit of all the accelerator's rows at the bf16 peak."""
     record = _attention_record(ts, acc)
     out = {}
     for p in precisions:
         if p in ("fp8", "mxfp8"):
             continue
-        out[p] = dict(record)
+        own = ts.attention(acc, p)
+        out[p] = dict(record) if own is None else _attention_record(ts, acc, p)
     return out
 
 
-def _attention_record(ts: TableSet, acc: str) -> dict[str, Any]:
-    fit = ts.attention(acc)
+def _attention_record(ts: TableSet, acc: str, precision: Optional[str] = None) -> dict[str, Any]:
+    fit = ts.attention(acc, precision)
     derived = ""
     scale = 1.0
     if fit is None:
-        for other, factor, reason in derive.NEAREST.get(acc, ()):
+        for other, factor, reason in ts.nearest.get(acc, ()):
             if other in ts.hbm and ts.attention(other) is not None:
                 fit = ts.attention(other)
                 scale = _rate_scale(ts, acc, other, "bf16", factor)
                 derived = f"from {other}: {reason}"
                 break
-    if fit is None and acc in derive.ATTENTION_FROM_GEMM:
-        ratio, reason = derive.ATTENTION_FROM_GEMM[acc]
-        gemm = gemm_figures(ts, acc, ["fp32"], grouped=False)["fp32"]
-        e = _round(min(gemm["e_max"] * ratio, 1.0))
-        return {"fwd_e_max": e, "bwd_e_max": e, "seq_half_causal": gemm["m_half"], "seq_half": gemm["m_half"],
-                "head_dim_half": gemm["k_half"], "rows": 0, "derived": reason, "source": gemm["source"]}
     if fit is None:
         raise ValueError(f"no attention rows for {acc} and no rule to derive them (perfmodel/kernels/derive.py)")
     p = fit.params
@@ -422,7 +466,7 @@ def memory_figures(ts: TableSet, acc: str) -> dict[str, Any]:
         errors.append(r.errors)
         rows += r.rows
     if not np.isfinite(half):
-        for other, _, reason in derive.NEAREST.get(acc, ()):
+        for other, _, reason in ts.nearest.get(acc, ()):
             ofits, ohalf = ts.memory(other) if other in ts.hbm else ({}, float("nan"))
             if np.isfinite(ohalf):
                 half = ohalf
@@ -441,7 +485,8 @@ def memory_figures(ts: TableSet, acc: str) -> dict[str, Any]:
             if base is None:
                 raise ValueError(f"no memory-bound kernel rows for {acc} and no rule (perfmodel/kernels/derive.py)")
             fraction[cls] = fraction[base]
-            derived[cls] = (f"no {cls} kernel measured on any accelerator: the {base} fraction (one streaming "
+            kind = "CPU" if acc in ts.cpus else "accelerator"
+            derived[cls] = (f"no {cls} kernel measured on any {kind}: the {base} fraction (one streaming "
                             "pass over its bytes)")
     out: dict[str, Any] = {"fraction": {c: fraction[c] for c in MEMORY_CLASSES}, "bytes_half": _round(half),
                            "rows": rows}
@@ -457,9 +502,10 @@ def _memory_class_from_nearest(ts: TableSet, acc: str, cls: str, own: Mapping[st
                                ) -> Optional[tuple[float, str, tuple[str, ...]]]:
     """A class this accelerator lacks: the nearest accelerator's class fraction, scaled by the
     two accelerators' copy fractions when both have one (the class's penalty over a copy)."""
-    candidates = [(o, f, r) for o, f, r in derive.NEAREST.get(acc, ())]
-    candidates += [(o, 1.0, "measured on that accelerator (any accelerator with the class)")
-                   for o in sorted(ts.hbm) if o != acc]
+    kind = "CPU" if acc in ts.cpus else "accelerator"
+    candidates = [(o, f, r) for o, f, r in ts.nearest.get(acc, ())]
+    candidates += [(o, 1.0, f"measured on that accelerator (any {kind} with the class)")
+                   for o in ts.peers(acc) if o != acc]
     for other, _, reason in candidates:
         if other not in ts.hbm:
             continue
@@ -632,14 +678,11 @@ class _Fabric:
     levels: tuple[_Level, ...]
 
 
-_SPAN_CACHE: dict[tuple[int, str, str], Optional[SpanFit]] = {}
-
-
 def span_fit_of(ts: TableSet, acc: str, span: str) -> Optional[SpanFit]:
     """The fit of `span` on `acc`'s bundled cluster (its inner levels fitted first)."""
-    key = (id(ts), acc, span)
-    if key in _SPAN_CACHE:
-        return _SPAN_CACHE[key]
+    key = (acc, span)
+    if key in ts._span:
+        return ts._span[key]
     result = None
     for name, sheet in ts.sheets.items():
         if ts.acc_of[name] != acc:
@@ -660,7 +703,7 @@ def span_fit_of(ts: TableSet, acc: str, span: str) -> Optional[SpanFit]:
             record["ll_collective_efficiency"] = dict(fitted.ll_efficiency)
             built.append(record)
         break
-    _SPAN_CACHE[key] = result
+    ts._span[key] = result
     return result
 
 
@@ -669,7 +712,7 @@ def _latency_fallback(ts: TableSet, acc: str, span: str) -> Optional[tuple[float
     else another accelerator of the generation with a small-message sweep at that span."""
     rule = derive.SPAN_NEAREST.get((acc, span))
     candidates = ([rule[:2]] if rule and rule[2] else []) + [
-        (o, span) for o, g in sorted(derive.GENERATION.items()) if g == derive.GENERATION[acc] and o != acc]
+        (o, span) for o, g in sorted(ts.generation.items()) if g == ts.generation[acc] and o != acc]
     for other, ospan in candidates:
         if other not in ts.hbm:
             continue
@@ -819,7 +862,8 @@ def _sources(rows: KernelTable) -> tuple[str, ...]:
 # assembling a cluster file
 
 GENERATED_ACCELERATOR_KEYS = ("kernels",)
-GENERATED_LEVEL_KEYS = ("latency_s", "efficiency", "collective_efficiency", "collective_fit")
+GENERATED_LEVEL_KEYS = ("latency_s", "efficiency", "collective_efficiency", "collective_fit", "collective_latency_s",
+                        "ll_collective_latency_s", "ll_collective_efficiency")
 
 
 def build_cluster(name: str, sheet: Mapping[str, Any], ts: TableSet) -> dict[str, Any]:

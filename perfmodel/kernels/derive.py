@@ -8,6 +8,7 @@
   16/32-bit GEMMs (cuBLAS / hipBLASLt / CANN matmul) and the 8-bit ones (block-scaled FP8
   kernels such as DeepGEMM or TE's, whose tiles and scale loads differ): H100's bf16 cuBLAS
   reaches 80% of peak at n = 1024-2048 where DeepGEMM's FP8 rows halve at n ~ 1300.
+- `HALVES_PER_PRECISION`: generations whose halves are fitted per precision (a CPU's engines).
 - `NEAREST`: where an accelerator has no measured row of a kind (or precision, phase), its
   figure is the first listed accelerator's that has one, with the achieved rate scaled by the
   stated factor (a measured ratio where one exists, else 1 for the same silicon) - marked
@@ -33,6 +34,13 @@ GENERATION = {
 }
 
 HALVES_FAMILY = {"fp32": "wide", "bf16": "wide", "fp16": "wide", "fp8": "fp8", "mxfp8": "fp8"}
+
+HALVES_PER_PRECISION = {"cpu"}
+"""Generations whose GEMM shape halves are fitted per precision: a CPU runs fp32 on its FMA
+units and bf16 on other engines (AMX tiles, AVX-512 BF16 dot products), whose efficiency
+saturates at other sizes (on the test machine, one core: fp32 halves about 30-45, bf16 about
+300); one set of halves for both put the fp32 fit 28% off over the trainer's GEMM shapes against
+9% with its own (`mosaic calibrate --quick` grid, 2026-12-01, docs/validation.md)."""
 
 
 NEAREST: dict[str, tuple[tuple[str, float, str], ...]] = {
@@ -115,11 +123,3 @@ def span_of_level(index: int, name: str, n_levels: int) -> str:
     if name in ("nvl72", "supernode", "scale_up"):
         return "scale_up"
     return "scale_out"
-
-
-ATTENTION_FROM_GEMM = {
-    "cpu_local": (0.43, "the fp32 GEMM figure x 0.43: the median measured rate of causal fp32 SDPA forwards over "
-                        "the fp32 GEMM at equal FLOPs (5 shapes, range 0.29-0.52; `mosaic calibrate --quick` on "
-                        "the test machine, 2026-12-01)"),
-}
-"""Accelerators whose attention was measured only relative to their GEMM."""
