@@ -25,6 +25,10 @@ TOLERANCE = {kind: 0.10 for kind in ("gemm", "grouped_gemm", "attention", "memor
 # counts, SM budgets, dispatch vs combine differ by up to 4x on one fabric): its median error is
 # the rows' own spread, bounded looser until the EP dispatchers are modelled one by one
 TOLERANCE["ep_dispatch"] = 0.30
+CPU_TOLERANCE = 0.15
+"""cpu_local is one `mosaic calibrate --quick` of the shared 2-core test VM (its timing rounds
+disagree by a median 1.29x; caches and AMX tile sizes make the saturation forms coarser there):
+held to 15%; the accelerators to the 10% above."""
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -59,7 +63,8 @@ def test_cluster_reproduces_the_rows_it_was_fitted_to(name):
     assert scored or name in ("ascend_superpod",), f"{name}: no table row scores this cluster"
     for kind, e in scored.items():
         median = float(np.median(np.abs(e)))
-        assert median <= TOLERANCE[kind], f"{name} {kind}: median |error| {median:.3f} over {len(e)} rows"
+        bound = max(TOLERANCE[kind], CPU_TOLERANCE) if name == "cpu_local" else TOLERANCE[kind]
+        assert median <= bound, f"{name} {kind}: median |error| {median:.3f} over {len(e)} rows"
 
 
 @pytest.mark.parametrize("make", [
