@@ -5,7 +5,7 @@ argument parser: NVIDIA/Megatron-LM commit d98e8a64ddf34856e74b24714e3bedb2f5a39
 (2026-08-22, megatron-core 0.20.0), `megatron/training/arguments.py`, built
 with `add_megatron_arguments(argparse.ArgumentParser())` and listed (878
 options); the options used here are stored with that provenance in
-tests/exports/upstream_options.py. MindSpeed-LLM (mindspeed.py) reuses these
+tests/mosaic/exports/upstream_options.py. MindSpeed-LLM (mindspeed.py) reuses these
 groups on Megatron core_v0.12.1, checked the same way.
 
 Mapping from the plan (MOSAIC symbol -> Megatron option):

@@ -3,7 +3,7 @@
 Matched against pytorch/torchtitan tag v0.2.2 (commit 73a0e6979dd1, 2026-02-20):
 `torchtitan/config/job_config.py` (the JobConfig dataclasses: every section.key
 written here is one of its fields; the list is stored with provenance in
-tests/exports/upstream_options.py), `torchtitan/distributed/parallel_dims.py`
+tests/mosaic/exports/upstream_options.py), `torchtitan/distributed/parallel_dims.py`
 (ep folds into dp_shard*cp*tp; etp must be 1 or tp), `torchtitan/distributed/
 pipeline_parallel.py` (layers per virtual stage, microbatches = local_batch_size /
 pipeline_parallel_microbatch_size), `torchtitan/train.py` (gradient accumulation

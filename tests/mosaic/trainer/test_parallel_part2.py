@@ -109,7 +109,7 @@ def _launch(tmp: Path, name: str, nproc: int, jobs: list[dict]) -> None:
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                              str(nproc), str(script), str(spec)], capture_output=True, text=True, timeout=600, env=env,
-                            cwd=Path(__file__).resolve().parents[2])
+                            cwd=Path(__file__).resolve().parents[3])
     assert result.returncode == 0, result.stderr[-6000:]
 
 

@@ -16,8 +16,8 @@ from mosaic.exports import render
 from mosaic.exports.torchtitan import flavor_module, flavor_name, job_tables
 from mosaic.planfile import plan_from_dict, read_plan
 from perfmodel.errors import InputError
-from tests.exports._plans import DEEPSEEK_LIKE, DENSE, EXAMPLE, variant
-from tests.exports.upstream_options import (
+from tests.mosaic.exports._plans import DEEPSEEK_LIKE, DENSE, EXAMPLE, variant
+from tests.mosaic.exports.upstream_options import (
     MOE_ARGS,
     PIPELINE_SCHEDULES,
     QWEN3_MODEL_ARGS,
@@ -185,7 +185,7 @@ def test_torchtitan_overlaps_tensor_parallel_by_compiled_async_tp_and_refuses_ep
 def test_torchtitan_frontier_plans_split_and_mla():
     """Stages of unequal depth as module_fqns_per_model_part (every layer once, in order); MLA plans
     register torchtitan's DeepSeek-V3 model args; MTP and hybridep are WARNING lines."""
-    from tests.exports.upstream_options import DEEPSEEK_V3_MODEL_ARGS
+    from tests.mosaic.exports.upstream_options import DEEPSEEK_V3_MODEL_ARGS
 
     plan = read_plan(EXAMPLE.parent / "deepseek_v3_gb200_256.yaml")
     tables = job_tables(plan)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.exports._plans import make_fake_bin
+from tests.mosaic.exports._plans import make_fake_bin
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from mosaic.cli.app import app
 from mosaic.exports import render
 from mosaic.planfile import plan_from_dict, read_plan
 from perfmodel.errors import InputError
-from tests.exports._plans import EXAMPLE, example_dict, run_script, variant, write_plan
-from tests.exports.upstream_options import SBATCH_OPTIONS, SRUN_OPTIONS, TORCHRUN_OPTIONS
+from tests.mosaic.exports._plans import EXAMPLE, example_dict, run_script, variant, write_plan
+from tests.mosaic.exports.upstream_options import SBATCH_OPTIONS, SRUN_OPTIONS, TORCHRUN_OPTIONS
 
 
 def train_options() -> set[str]:
@@ -158,7 +158,7 @@ def test_slurm_runs_uneven_stages_and_refuses_what_the_trainer_cannot_run():
     MTP or a fused dispatcher are refused with the trainer's reason."""
     from mosaic.exports import render
     from mosaic.planfile import plan_from_dict, read_plan
-    from tests.exports._plans import EXAMPLE, variant
+    from tests.mosaic.exports._plans import EXAMPLE, variant
 
     text = render(plan_from_dict(variant(model={"n_layers": 30}, layout={"pp": 4, "vpp": 1, "dp": 2, "tp": 8,
                                                                           "ep": 2})), "slurm")

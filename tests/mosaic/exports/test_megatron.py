@@ -13,8 +13,8 @@ from mosaic.exports.megatron import megatron_argv
 from mosaic.exports.mindspeed import mindspeed_argv
 from mosaic.planfile import plan_from_dict, read_plan
 from perfmodel.errors import InputError
-from tests.exports._plans import DEEPSEEK_LIKE, DENSE, EXAMPLE, run_script, variant
-from tests.exports.upstream_options import (
+from tests.mosaic.exports._plans import DEEPSEEK_LIKE, DENSE, EXAMPLE, run_script, variant
+from tests.mosaic.exports.upstream_options import (
     MEGATRON_CORE_0_12_1_OPTIONS,
     MEGATRON_OPTIONS,
     MINDSPEED_EXTRA_CHOICES,

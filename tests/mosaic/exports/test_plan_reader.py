@@ -8,7 +8,7 @@ import pytest
 
 from mosaic.planfile import plan_from_dict, read_plan
 from perfmodel.errors import InputError
-from tests.exports._plans import EXAMPLE, example_dict, variant
+from tests.mosaic.exports._plans import EXAMPLE, example_dict, variant
 
 
 def test_example_plan_reads_and_derives_steps():
