@@ -1,4 +1,4 @@
-"""Where a model trains: `Accelerator`, `FabricLevel`, `ClusterSpec` (+ curves).
+"""Where a model trains: `Accelerator` (with its fitted kernel figures), `FabricLevel`, `ClusterSpec`.
 
 A cluster file describes hardware (device, node size, fabric levels), not a
 job: the device count is the default job size and its upper bound. Every
