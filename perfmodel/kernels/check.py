@@ -23,6 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from perfmodel.comm import collective_time
+from perfmodel.kernels.derive import span_of_level
 from perfmodel.kernels.fit import ELEMENT_BYTES, MEMORY_KERNEL_CLASS, gemm_bytes
 from perfmodel.kernels.forms import GEMM_PHASES, phase_dims, saturation
 from perfmodel.kernels.tables import KernelTable
@@ -162,6 +163,15 @@ def dispatch_errors(cluster: ClusterSpec, rows: KernelTable, spans: Mapping[str,
         predicted = float(collective_time(cluster, "all_to_all", DISPATCH_BYTES, ep, 1.0))
         out.append(predicted / measured - 1.0)
     return np.asarray(out)
+
+
+def cluster_spans(cluster: ClusterSpec) -> dict[str, int]:
+    """Span (node | scale_up | scale_out) -> the innermost level of `cluster` holding it
+    (`perfmodel.kernels.derive.span_of_level`): which collective rows a cluster is scored on."""
+    out: dict[str, int] = {}
+    for j, level in enumerate(cluster.levels):
+        out.setdefault(span_of_level(j, level.name, len(cluster.levels)), j)
+    return out
 
 
 def table_errors(cluster: ClusterSpec, tables: Mapping[str, KernelTable], accelerator: str,

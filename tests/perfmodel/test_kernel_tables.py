@@ -13,7 +13,7 @@ from perfmodel.clusters import bundled_cluster_paths, load_cluster
 from perfmodel.errors import InputError
 from perfmodel.kernels import derive
 from perfmodel.kernels.build import build_all, counts_link_bytes
-from perfmodel.kernels.check import table_errors
+from perfmodel.kernels.check import cluster_spans, table_errors
 from perfmodel.kernels.tables import KINDS, read_table, read_tables
 from perfmodel.specs.cluster import CollectiveFit
 from perfmodel.specs.kernels import GemmFigures
@@ -48,17 +48,10 @@ def test_every_cluster_maps_to_a_table_accelerator():
     assert set(BUNDLED) <= set(derive.TABLE_ACCELERATOR)
 
 
-def _spans(cluster) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for j, level in enumerate(cluster.levels):
-        out.setdefault(derive.span_of_level(j, level.name, len(cluster.levels)), j)
-    return out
-
-
 @pytest.mark.parametrize("name", BUNDLED)
 def test_cluster_reproduces_the_rows_it_was_fitted_to(name):
     cluster = load_cluster(name)
-    errors = table_errors(cluster, TABLES, derive.TABLE_ACCELERATOR[name], _spans(cluster))
+    errors = table_errors(cluster, TABLES, derive.TABLE_ACCELERATOR[name], cluster_spans(cluster))
     scored = {kind: e for kind, e in errors.items() if len(e)}
     assert scored or name in ("ascend_superpod",), f"{name}: no table row scores this cluster"
     for kind, e in scored.items():
