@@ -45,10 +45,12 @@ alpha-beta as in Galvatron/SimAI/llm-analysis):
 
 from __future__ import annotations
 
-from typing import Optional
+from types import SimpleNamespace
+from typing import Any, Optional
 
 import numpy as np
 
+from perfmodel.grouping import row_groups
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.protocols import LayoutLike, Values
 
@@ -195,10 +197,14 @@ def collective_time(cluster: ClusterSpec, kind: str, size_bytes: Values, n: Opti
 
 class CollectivePricer:
     """Collective prices for one batch of layouts on one cluster: each (group, kind)
-    geometry is walked once (`collective_coefficients`), and a repeated message (the
-    same array object, e.g. the forward and backward all-to-alls of one buffer) is
-    priced once. Every time is divided by the ranks' core share (`share`, 1 off-CPU:
+    geometry is walked once per distinct layout shape (tp, cp, dp, pp, ep, etp) of the batch
+    (`collective_coefficients` on those rows, gathered back: `perfmodel.grouping`), and a
+    repeated message (the same array object, e.g. the forward and backward all-to-alls of one
+    buffer) is priced once. Every time is divided by the ranks' core share (`share`, 1 off-CPU:
     ranks beyond the cores move and reduce their messages in turns)."""
+
+    SHAPE_FIELDS = ("tp", "cp", "dp", "pp", "ep", "etp")
+    """The layout fields every group geometry is a function of (`group_geometry`)."""
 
     def __init__(self, cluster: ClusterSpec, lay: LayoutLike, share: Values = 1.0) -> None:
         self.cluster, self.lay = cluster, lay
@@ -206,18 +212,38 @@ class CollectivePricer:
         self._coef: dict[tuple[str, str], tuple[Line, ...]] = {}
         self._levels: dict[str, Optional[list[LevelGeometry]]] = {}
         self._times: dict[tuple[str, str, int], tuple[Values, np.ndarray]] = {}
+        self._shapes: Optional[tuple[Any, Optional[np.ndarray]]] = None
+
+    def _distinct_shapes(self) -> tuple[Any, Optional[np.ndarray]]:
+        """(the layout's shape fields on its distinct shapes, inverse), or (lay, None) for one layout."""
+        if self._shapes is None:
+            columns = [np.asarray(getattr(self.lay, name)) for name in self.SHAPE_FIELDS]
+            if columns[0].ndim != 1:
+                self._shapes = (self.lay, None)
+            else:
+                first, inverse = row_groups(columns)
+                self._shapes = (SimpleNamespace(**{name: col[first] for name, col in zip(self.SHAPE_FIELDS, columns)}),
+                                inverse)
+        return self._shapes
+
+    def coefficients(self, group: str, kind: str) -> tuple[Line, ...]:
+        """`protocol_coefficients` of a `kind` collective over process group `group`, per candidate."""
+        key = (group, kind)
+        if key not in self._coef:
+            shapes, inverse = self._distinct_shapes()
+            n, stride = group_geometry(shapes, group)
+            if group not in self._levels:
+                self._levels[group] = group_levels(self.cluster, n, stride) if np.any(n > 1.0) else None
+            lines = protocol_coefficients(self.cluster, kind, n, stride, self._levels[group])
+            self._coef[key] = lines if inverse is None else tuple((s[inverse], c[inverse]) for s, c in lines)
+        return self._coef[key]
 
     def time(self, group: str, kind: str, size_bytes: Values) -> np.ndarray:
         """Seconds of one `kind` collective of `size_bytes` over process group `group`."""
         hit = self._times.get((group, kind, id(size_bytes)))
         if hit is not None and hit[0] is size_bytes:
             return hit[1]
-        key = (group, kind)
-        if key not in self._coef:
-            n, stride = group_geometry(self.lay, group)
-            if group not in self._levels:
-                self._levels[group] = group_levels(self.cluster, n, stride) if np.any(n > 1.0) else None
-            self._coef[key] = protocol_coefficients(self.cluster, kind, n, stride, self._levels[group])
-        seconds = collective_time(self.cluster, kind, size_bytes, None, None, coefficients=self._coef[key]) * self.slowdown
+        coefficients = self.coefficients(group, kind)
+        seconds = collective_time(self.cluster, kind, size_bytes, None, None, coefficients=coefficients) * self.slowdown
         self._times[(group, kind, id(size_bytes))] = (size_bytes, seconds)  # holds the array: its id stays unique
         return seconds

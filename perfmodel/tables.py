@@ -24,12 +24,13 @@ pipeline stage holds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional, Union
+from typing import Optional
 
 import numpy as np
 
 from perfmodel.comm import CollectivePricer
 from perfmodel.dispatch import FP8_DISPATCH_BYTES, fused_dispatch_times
+from perfmodel.grouping import key_column, row_groups, row_hash
 from perfmodel.hardware import HardwareView
 from perfmodel.operators import (
     DEEPEP,
@@ -79,9 +80,6 @@ TABLE_LAYOUT_FIELDS = ("tp", "cp", "ep", "etp", "mbs", "sequence_parallel", "pre
                        "capacity_factor", "pad_to_capacity")
 """What the per-block operator and collective tables depend on (not pp, vpp, dp, the dp
 flavour, gbs, recompute or the pipeline split): candidates equal in these share one table row."""
-
-_HASH_MULTIPLIERS = np.random.default_rng(20250101).integers(1, 2**62, size=32, dtype=np.int64) | 1
-
 
 def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
     """Seconds of one op per phase (fwd, dgrad, wgrad).
@@ -192,39 +190,18 @@ def _add_mtp_layer(arch: ArchLike, tables: Tables) -> None:
 
 def table_groups(arch: ArchBatch, lay: LayoutBatch, devices: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """(representatives, inverse) when at most half the candidates have distinct block
-    tables (a planner grid: geometries x layouts), else None. Grouping is exact: a
-    multiplicative hash proposes groups and every key column is then compared."""
+    tables (a planner grid: geometries x layouts), else None. Grouping is exact
+    (`perfmodel.grouping.row_groups`)."""
     n = len(devices)
     if n < 256:
         return None
-    def key_column(values: np.ndarray) -> np.ndarray:  # floats by their bits (capacity factors like 1.25)
-        values = np.asarray(values)
-        return values.astype(float).view(np.int64) if values.dtype.kind == "f" and not np.all(values == np.round(values)) \
-            else values.astype(np.int64, copy=False)
-
     columns = [key_column(getattr(arch, f)) for f in TABLE_ARCH_FIELDS]
     columns += [key_column(getattr(lay, f)) for f in TABLE_LAYOUT_FIELDS]
-    columns.append(np.asarray(devices).astype(np.int64))
-
-    def hashed(rows: Union[slice, np.ndarray]) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            key = np.zeros(len(columns[0][rows]), dtype=np.int64)
-            for col, mult in zip(columns, _HASH_MULTIPLIERS):
-                key = (key ^ (col[rows] * mult)) * np.int64(1099511628211)
-        return key
-
-    if 4 * len(np.unique(hashed(slice(0, 1024)))) > 3 * min(n, 1024):  # a sample says most rows differ
+    columns.append(key_column(devices))
+    if 4 * len(np.unique(row_hash([col[:1024] for col in columns]))) > 3 * min(n, 1024):  # most rows differ
         return None
-    key = hashed(slice(None))
-    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    if 2 * len(uniq) > n:
-        return None
-    inverse = inverse.ravel()
-    rep_of_row = first[inverse]
-    for col in columns:
-        if not np.array_equal(col[rep_of_row], col):  # a hash collision: price every row
-            return None
-    return first, inverse
+    first, inverse = row_groups(columns)
+    return None if 2 * len(first) > n else (first, inverse)
 
 
 def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, devices: np.ndarray,
