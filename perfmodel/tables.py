@@ -134,7 +134,7 @@ def block_tables(arch: ArchLike, lay: LayoutLike, comms_of: CommsOf, pricer: Col
             table["fwd_kernels"] = table["fwd_kernels"] + op.kernels[0]
             table["bwd_kernels"] = table["bwd_kernels"] + op.kernels[1] + op.kernels[2]
             if op.name == "core_attention":
-                table["core_fwd"] = fwd_s
+                table["core_fwd"] = table["core_fwd"] + fwd_s  # a mixed MHA/MLA batch has both cores, each zero where unused
             if op.name == "core_attention" or op.name in MLA_UP_OPS:
                 selective["selective_fwd"] = selective["selective_fwd"] + fwd_s
                 selective["selective_fwd_overlap"] = selective["selective_fwd_overlap"] + (fwd_s if op.overlappable else 0.0)
