@@ -1,12 +1,12 @@
 """Exact grouping of equal rows, so that a formula runs once per distinct input and is gathered back.
 
 `row_groups(columns)` -> (first, inverse): rows i and j are in one group iff every column holds
-the same bits at i and j (floats by their bit patterns, so 0.5 and NaN group with themselves
-only); first[g] is the first row of group g, inverse[i] the group of row i. A formula of those
-columns alone, evaluated on the rows `first` and indexed with `inverse`, then equals the
-formula on every row, bit for bit. A multiplicative hash proposes the groups and every column
-is compared against its group's first row; a collision falls back to the exact `np.unique` of
-the stacked columns.
+the same bits at i and j (floats by their bit patterns, so -0.0 and NaN group with themselves
+only); first[g] is one row of group g (its representative), inverse[i] the group of row i. A
+formula of those columns alone, evaluated on the rows `first` and indexed with `inverse`, then
+equals the formula on every row, bit for bit. A multiplicative hash proposes the groups (rows
+sorted by hash) and every column is compared against its group's representative; a collision
+falls back to the exact `np.unique` of the stacked columns.
 """
 
 from __future__ import annotations
@@ -42,8 +42,15 @@ def row_hash(columns: Sequence[np.ndarray]) -> np.ndarray:
 def row_groups(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(first, inverse) of the rows of the equal-length `columns` (module doc)."""
     keys = [key_column(c) for c in columns]
-    _, first, inverse = np.unique(row_hash(keys), return_index=True, return_inverse=True)
-    inverse = inverse.ravel()
+    hashed = row_hash(keys)
+    order = np.argsort(hashed)
+    ordered = hashed[order]
+    starts = np.empty(len(ordered), dtype=bool)
+    starts[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
+    inverse = np.empty(len(ordered), dtype=np.intp)
+    inverse[order] = np.cumsum(starts) - 1
+    first = order[starts]
     rep = first[inverse]
     if all(np.array_equal(col[rep], col) for col in keys):
         return first, inverse

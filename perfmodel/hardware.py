@@ -71,22 +71,23 @@ class HardwareView:
                    for ph in GEMM_PHASES}
         attention = [k.attention[k.precision("attention", p)] for p in PRECISIONS]
         # per candidate: one row of figures each (gathered once; scalars when one precision is present)
-        self._dense = self._rows(dense, code)
-        self._dense_hp = self._rows(dense, attn_code)
-        self._grouped = {ph: self._rows(t, code) for ph, t in grouped.items()}
+        code_present, attn_present = np.unique(code), np.unique(attn_code)
+        self._dense = self._rows(dense, code, code_present)
+        self._dense_hp = self._rows(dense, attn_code, attn_present)
+        self._grouped = {ph: self._rows(t, code, code_present) for ph, t in grouped.items()}
         attn = np.asarray([[a.fwd_e_max, a.bwd_e_max, a.seq_half_causal, a.head_dim_half] for a in attention])
-        self._attention = self._rows(attn, attn_code)
+        self._attention = self._rows(attn, attn_code, attn_present)
         memory = k.memory
         self._memory_fraction = {c: memory.fraction[c] for c in MEMORY_CLASSES}
         self._bytes_half = memory.bytes_half
 
     @staticmethod
-    def _rows(table: np.ndarray, code: np.ndarray) -> tuple[Values, ...]:
-        """Columns of `table` for each candidate's precision code (scalars when all share one)."""
-        present = np.unique(code)
+    def _rows(table: np.ndarray, code: np.ndarray, present: np.ndarray) -> tuple[Values, ...]:
+        """Columns of `table` for each candidate's precision code (scalars when all share one;
+        `present`: the codes that occur)."""
         if len(present) == 1:
             return tuple(float(v) for v in table[int(present[0])])
-        return tuple(table[code, j] for j in range(table.shape[1]))
+        return tuple(np.take(table[:, j], code) for j in range(table.shape[1]))
 
     # -- rates ------------------------------------------------------------------------------
     def gemm_rate(self, kind: str, phase: str, m: Values, n: Values, k: Values) -> Values:
