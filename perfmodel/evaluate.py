@@ -109,7 +109,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
                 return _put(result, rows, _evaluate_chunk(arch.take(rows), lay.take(rows), cluster, host, devices[rows], sub))
     hw = HardwareView(cluster, lay, host.core_share(devices))
     pricer = CollectivePricer(cluster, lay, hw.share)
-    tables = shared_block_tables(arch, lay, cluster, devices, host.block_comms, pricer, hw)
+    tables = shared_block_tables(arch, lay, cluster, host.block_comms, pricer, hw)
     m = micro_batches(lay)
     slots = bubble_slots(lay)
     stages: list[StageTimes] = []

@@ -81,6 +81,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from perfmodel.memo import memo_pair
 from perfmodel.routing import busiest_load_factor, dropped_fraction
 from perfmodel.specs.architecture import uses_mla
 from perfmodel.specs.layout import DISPATCHERS, DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES
@@ -274,17 +275,10 @@ def _fp8_cast(block: str, lay: LayoutLike, fwd_elements: Values, bwd_elements: V
                    size_phase=1 if np.ndim(casts_fwd) == 0 and casts_fwd == 0 else 0)
 
 
-_SHAPES_CACHE: list[Any] = [None, None, None]
-
-
+@memo_pair
 def shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
-    """Token counts and widths (see `_shapes`), memoised for the last (arch, lay) pair."""
-    cache = _SHAPES_CACHE
-    if cache[0] is arch and cache[1] is lay:
-        return cache[2]
-    out = _shapes(arch, lay)
-    cache[:] = [arch, lay, out]
-    return out
+    """Token counts and widths (see `_shapes`), memoised per live (arch, lay) pair (`perfmodel.memo`)."""
+    return _shapes(arch, lay)
 
 
 def _shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
