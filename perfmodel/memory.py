@@ -66,6 +66,8 @@ from typing import NamedTuple, Optional, Union
 
 import numpy as np
 
+from perfmodel import choice
+from perfmodel.choice import Rows
 from perfmodel.operators import (
     FP8,
     FP32,
@@ -283,20 +285,17 @@ def memory_per_device(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec,
     `stages` and `params` ([stage_params(...) per stage]) may be passed when already computed."""
     stages = pipeline_stages(arch, lay) if stages is None else stages
     activations = layer_activation_bytes(arch, lay)
-    mem = [stage_memory(arch, lay, cluster, st, st.counts, None if params is None else params[i], activations)
-           for i, st in enumerate(stages)]
+    return largest_stage([stage_memory(arch, lay, cluster, st, st.counts, None if params is None else params[i],
+                                       activations) for i, st in enumerate(stages)])
+
+
+def largest_stage(mem: list[dict[str, Values]], rows: Optional[list[Rows]] = None) -> DeviceMemory:
+    """`DeviceMemory` of the largest of the stages' `stage_memory` components (ties: the earlier);
+    `rows`: the candidates each stage's components are given for (`perfmodel.choice`; None: all)."""
+    rows = [None] * len(mem) if rows is None else rows
     totals = [sum(m[k] for k in MEMORY_COMPONENTS) for m in mem]
-    choice = np.zeros(np.shape(totals[0]), dtype=np.int64)
-    best = totals[0]
-    for i in range(1, len(stages)):
-        bigger = totals[i] > best
-        choice = np.where(bigger, i, choice)
-        best = np.where(bigger, totals[i], best)
+    index, best = choice.largest(totals, rows)
     total = np.asarray(best, dtype=float)
-    breakdown = {}
-    for k in MEMORY_COMPONENTS:
-        value = mem[0][k]
-        for i in range(1, len(stages)):
-            value = np.where(choice == i, mem[i][k], value)
-        breakdown[k] = np.broadcast_to(value, total.shape).astype(float)
-    return DeviceMemory(total, breakdown, np.asarray(choice))
+    breakdown = {k: np.broadcast_to(choice.chosen(index, [m[k] for m in mem], rows), total.shape).astype(float)
+                 for k in MEMORY_COMPONENTS}
+    return DeviceMemory(total, breakdown, np.asarray(index))
