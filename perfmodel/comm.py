@@ -50,6 +50,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from perfmodel.choice import select
 from perfmodel.grouping import row_groups
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.protocols import LayoutLike, Values
@@ -192,7 +193,7 @@ def collective_time(cluster: ClusterSpec, kind: str, size_bytes: Values, n: Opti
     for slope, latency in coefficients:
         line = size * slope + latency
         seconds = line if seconds is None else np.minimum(seconds, line)
-    return np.where(size > 0.0, seconds, 0.0)
+    return select(size > 0.0, seconds, 0.0)
 
 
 class CollectivePricer:
@@ -209,6 +210,7 @@ class CollectivePricer:
     def __init__(self, cluster: ClusterSpec, lay: LayoutLike, share: Values = 1.0) -> None:
         self.cluster, self.lay = cluster, lay
         self.slowdown = 1.0 / np.asarray(share, dtype=float)
+        self._slowed = bool(np.any(self.slowdown != 1.0))  # off-CPU every share is 1: no division
         self._coef: dict[tuple[str, str], tuple[Line, ...]] = {}
         self._levels: dict[str, Optional[list[LevelGeometry]]] = {}
         self._times: dict[tuple[str, str, int], tuple[Values, np.ndarray]] = {}
@@ -244,6 +246,8 @@ class CollectivePricer:
         if hit is not None and hit[0] is size_bytes:
             return hit[1]
         coefficients = self.coefficients(group, kind)
-        seconds = collective_time(self.cluster, kind, size_bytes, None, None, coefficients=coefficients) * self.slowdown
+        seconds = collective_time(self.cluster, kind, size_bytes, None, None, coefficients=coefficients)
+        if self._slowed:
+            seconds = seconds * self.slowdown
         self._times[(group, kind, id(size_bytes))] = (size_bytes, seconds)  # holds the array: its id stays unique
         return seconds

@@ -41,7 +41,7 @@ from typing import Optional, Union
 import numpy as np
 from numpy.typing import ArrayLike
 
-from perfmodel import choice
+from perfmodel import choice, memo
 from perfmodel.choice import Rows
 from perfmodel.comm import CollectivePricer
 from perfmodel.hardware import HardwareView
@@ -89,6 +89,12 @@ def evaluate(archs: Union[MoEArchitecture, ArchBatch], layouts: Union[ParallelLa
 
 def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, host: HostDispatch,
                     devices: np.ndarray) -> EvalResult:
+    with memo.scope():  # each formula of this chunk's batches once (`perfmodel.memo`)
+        return _evaluate_batch(arch, lay, cluster, host, devices)
+
+
+def _evaluate_batch(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, host: HostDispatch,
+                    devices: np.ndarray) -> EvalResult:
     arch, lay = as_float(arch), as_float(lay)
     pipeline = pipeline_stages(arch, lay)
     hw = HardwareView(cluster, lay, host.core_share(devices))
@@ -129,9 +135,10 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
                                      part.activations))
         memory_rows.append(rows)
     slowest, _ = choice.largest([st["step"] for st in stages], timed_rows)  # ties go to the earlier stage
+    slowest_stage = choice.Chosen(slowest, timed_rows)
 
     def pick(key: str) -> np.ndarray:
-        return choice.chosen(slowest, [st[key] for st in stages], timed_rows)
+        return slowest_stage.of([st[key] for st in stages])
 
     factor = straggler_factor(cluster, devices)
     base_step_s = pick("step")

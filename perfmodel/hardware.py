@@ -21,6 +21,7 @@ from typing import Union
 
 import numpy as np
 
+from perfmodel.choice import select
 from perfmodel.errors import InputError
 from perfmodel.kernels.forms import GEMM_PHASES, MEMORY_CLASSES, phase_dims, saturation
 from perfmodel.operators import BF16, FP8, precision_code
@@ -123,4 +124,4 @@ class HardwareView:
         costs bytes_half's worth of streaming; nothing when no bytes move."""
         per_s = self.hbm_bytes_per_s * self._memory_fraction[kernel_class]
         seconds = (nbytes + np.maximum(kernels, 1.0) * self._bytes_half) / per_s
-        return np.where(np.asarray(nbytes) > 0, seconds, 0.0) if np.ndim(seconds) else (seconds if nbytes > 0 else 0.0)
+        return select(np.asarray(nbytes) > 0, seconds, 0.0) if np.ndim(seconds) else (seconds if nbytes > 0 else 0.0)

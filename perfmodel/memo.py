@@ -1,38 +1,55 @@
-"""Memoisation of pure formulas of live spec objects: `memo_pair`.
+"""Memoisation of pure formulas of spec objects inside one evaluation: `memoised`, `scope`.
 
-`memo_pair(fn)` computes fn(a, b) once per pair of objects (by identity) while both live: the
-entry holds weak references and goes with either object. Specs and batches are frozen
-dataclasses whose arrays no formula writes to, so a result stays valid while its inputs
-exist; `evaluate` builds a batch per chunk (and per sub-batch), so entries last one chunk.
+A formula of specs or batches (`MoEArchitecture`, `ArchBatch`, `ParallelLayout`, `LayoutBatch`:
+frozen dataclasses whose arrays no formula writes to) gives the same result for the same
+objects, so `evaluate` computes each such formula once per batch instead of once per caller:
+`memoised(fn)` caches fn(*specs) by the identity of its arguments while a `scope()` is open, and
+the outermost scope's exit empties every cache (nothing outlives the evaluation, and a caller
+that edits a batch in place between evaluations gets fresh results). Outside a scope the
+formulas run uncached.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 R = TypeVar("R")
 
+_CACHES: list[dict[tuple[int, ...], tuple[tuple[Any, ...], Any]]] = []
+_DEPTH = [0]
 
-def memo_pair(fn: Callable[[Any, Any], R]) -> Callable[[Any, Any], R]:
-    """fn memoised per live (a, b) object pair (module doc); `.cache_clear()` empties it."""
-    cache: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, R]] = {}
 
-    def drop(key: tuple[int, int]) -> Callable[[weakref.ref], None]:
-        return lambda _ref: cache.pop(key, None)
+def memoised(fn: Callable[..., R]) -> Callable[..., R]:
+    """fn(*args) computed once per tuple of argument objects (by identity) inside a `scope`."""
+    cache: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
+    _CACHES.append(cache)
 
-    def memoised(a: Any, b: Any) -> R:
-        key = (id(a), id(b))
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> R:
+        if not _DEPTH[0]:
+            return fn(*args)
+        key = tuple(id(a) for a in args)
         hit = cache.get(key)
-        if hit is not None and hit[0]() is a and hit[1]() is b:
-            return hit[2]
-        out = fn(a, b)
-        cache[key] = (weakref.ref(a, drop(key)), weakref.ref(b, drop(key)), out)
+        if hit is not None and all(x is y for x, y in zip(hit[0], args)):
+            return hit[1]
+        out = fn(*args)
+        cache[key] = (args, out)  # holds the arguments: their ids stay theirs until the scope ends
         return out
 
-    memoised.cache_clear = cache.clear  # type: ignore[attr-defined]
-    memoised.__doc__ = fn.__doc__
-    memoised.__name__ = fn.__name__
-    memoised.__wrapped__ = fn  # type: ignore[attr-defined]
-    return memoised
+    return wrapper
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[None]:
+    """Memoise the `memoised` formulas until the outermost scope exits (then empty the caches)."""
+    _DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _DEPTH[0] -= 1
+        if not _DEPTH[0]:
+            for cache in _CACHES:
+                cache.clear()

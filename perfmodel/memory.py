@@ -68,6 +68,7 @@ import numpy as np
 
 from perfmodel import choice
 from perfmodel.choice import Rows
+from perfmodel.memo import memoised
 from perfmodel.operators import (
     FP8,
     FP32,
@@ -134,6 +135,7 @@ def stage_params(arch: ArchLike, lay: LayoutLike, counts: dict[str, Values]) -> 
     return dense, experts
 
 
+@memoised
 def shard_sizes(lay: LayoutLike) -> tuple[Values, Values]:
     """Data-parallel shard counts: dense over dp*cp, experts over edp = tp*cp*dp/(etp*ep)."""
     tp, cp, dp = (np.asarray(getattr(lay, n), dtype=float) for n in ("tp", "cp", "dp"))
@@ -141,6 +143,7 @@ def shard_sizes(lay: LayoutLike) -> tuple[Values, Values]:
     return dp * cp, edp
 
 
+@memoised
 def optimizer_bytes_per_param(lay: LayoutLike) -> Values:
     """Adam state: fp32 master + 2 moments = 12 B (mixed precision), 2 moments = 8 B (fp32)."""
     return np.where(precision_code(lay) == FP32, 8.0, 12.0)
@@ -296,6 +299,7 @@ def largest_stage(mem: list[dict[str, Values]], rows: Optional[list[Rows]] = Non
     totals = [sum(m[k] for k in MEMORY_COMPONENTS) for m in mem]
     index, best = choice.largest(totals, rows)
     total = np.asarray(best, dtype=float)
-    breakdown = {k: np.broadcast_to(choice.chosen(index, [m[k] for m in mem], rows), total.shape).astype(float)
+    largest_stage = choice.Chosen(index, rows)
+    breakdown = {k: np.broadcast_to(largest_stage.of([m[k] for m in mem]), total.shape).astype(float)
                  for k in MEMORY_COMPONENTS}
     return DeviceMemory(total, breakdown, np.asarray(index))

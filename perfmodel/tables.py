@@ -31,6 +31,7 @@ from typing import Optional
 
 import numpy as np
 
+from perfmodel.choice import select
 from perfmodel.comm import CollectivePricer
 from perfmodel.dispatch import FP8_DISPATCH_BYTES, fused_dispatch_times
 from perfmodel.grouping import pack_columns, row_groups
@@ -120,7 +121,7 @@ def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
         else:
             rate = hw.gemm_rate(op.kind, phase, op.shape[0], op.shape[1], op.shape[2])
         with np.errstate(invalid="ignore", divide="ignore"):
-            compute_s = np.where(np.asarray(flops) > 0, flops / rate, 0.0)
+            compute_s = select(np.asarray(flops) > 0, flops / rate, 0.0)
         out.append(np.maximum(compute_s, hw.operand_seconds(nbytes)))
     return out[0], out[1], out[2]
 

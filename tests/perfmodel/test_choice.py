@@ -34,5 +34,15 @@ def test_choice_on_row_subsets_equals_padded_chain():
     expected = padded[0] * 10.0 + 1.0
     for i in range(1, len(padded)):
         expected = np.where(index == i, padded[i] * 10.0 + 1.0, expected)
-    np.testing.assert_array_equal(choice.chosen(got_index, other, rows), expected)
+    np.testing.assert_array_equal(choice.Chosen(got_index, rows).of(other), expected)
     assert set(np.unique(got_index)) >= {0, 2, 3}  # the subsets win somewhere
+
+
+def test_select_is_where_bit_for_bit():
+    rng = np.random.default_rng(1)
+    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-310, -2.5, 3.0])
+    a, b = rng.choice(special, 500), rng.choice(special, 500)
+    cond = rng.random(500) < 0.5
+    for x, y in ((a, b), (a, 0.0), (1.0, b), (a, -0.0)):
+        got, want = choice.select(cond, x, y), np.where(cond, x, y)
+        np.testing.assert_array_equal(got.view(np.int64), np.asarray(want, dtype=float).view(np.int64))
