@@ -68,8 +68,10 @@ from perfmodel.validity import valid_mask
 
 __all__ = ["BREAKDOWN_KEYS", "CHUNK", "HIDDEN_COMPONENTS", "REASONS", "STEP_COMPONENTS", "EvalResult", "evaluate"]
 
-CHUNK = 65536
-"""Candidates per vectorised pass (keeps the working set in cache)."""
+CHUNK = 32768
+"""Candidates per vectorised pass: small enough that its arrays (256 KiB each) stay in cache, large
+enough that the per-call overhead (~10 ms a pass) stays a few per cent (fastest of 8k-128k on
+benchmarks/perfmodel_speed.py)."""
 
 
 def evaluate(archs: Union[MoEArchitecture, ArchBatch], layouts: Union[ParallelLayout, LayoutBatch],
