@@ -196,47 +196,71 @@ def collective_time(cluster: ClusterSpec, kind: str, size_bytes: Values, n: Opti
     return select(size > 0.0, seconds, 0.0)
 
 
+class _Geometries:
+    """The distinct layout shapes of a batch with their group geometries (`group_levels`) and
+    protocol lines (`protocol_coefficients`), each walked once (shared by the batch's pricers)."""
+
+    def __init__(self, cluster: ClusterSpec, shapes: Any) -> None:
+        self.cluster, self.shapes = cluster, shapes
+        self._levels: dict[str, Optional[list[LevelGeometry]]] = {}
+        self._lines: dict[tuple[str, str], tuple[Line, ...]] = {}
+
+    def lines(self, group: str, kind: str) -> tuple[Line, ...]:
+        key = (group, kind)
+        if key not in self._lines:
+            n, stride = group_geometry(self.shapes, group)
+            if group not in self._levels:
+                self._levels[group] = group_levels(self.cluster, n, stride) if np.any(n > 1.0) else None
+            self._lines[key] = protocol_coefficients(self.cluster, kind, n, stride, self._levels[group])
+        return self._lines[key]
+
+
 class CollectivePricer:
     """Collective prices for one batch of layouts on one cluster: each (group, kind)
     geometry is walked once per distinct layout shape (tp, cp, dp, pp, ep, etp) of the batch
-    (`collective_coefficients` on those rows, gathered back: `perfmodel.grouping`), and a
-    repeated message (the same array object, e.g. the forward and backward all-to-alls of one
-    buffer) is priced once. Every time is divided by the ranks' core share (`share`, 1 off-CPU:
-    ranks beyond the cores move and reduce their messages in turns)."""
+    (`collective_coefficients` on those rows, gathered back: `perfmodel.grouping`; `take` gives
+    the pricer of some of the candidates, on the same walks), and a repeated message (the same
+    array object, e.g. the forward and backward all-to-alls of one buffer) is priced once. Every
+    time is divided by the ranks' core share (`share`, 1 off-CPU: ranks beyond the cores move
+    and reduce their messages in turns)."""
 
     SHAPE_FIELDS = ("tp", "cp", "dp", "pp", "ep", "etp")
     """The layout fields every group geometry is a function of (`group_geometry`)."""
 
-    def __init__(self, cluster: ClusterSpec, lay: LayoutLike, share: Values = 1.0) -> None:
+    def __init__(self, cluster: ClusterSpec, lay: Optional[LayoutLike], share: Values = 1.0) -> None:
         self.cluster, self.lay = cluster, lay
         self.slowdown = 1.0 / np.asarray(share, dtype=float)
         self._slowed = bool(np.any(self.slowdown != 1.0))  # off-CPU every share is 1: no division
         self._coef: dict[tuple[str, str], tuple[Line, ...]] = {}
-        self._levels: dict[str, Optional[list[LevelGeometry]]] = {}
         self._times: dict[tuple[str, str, int], tuple[Values, np.ndarray]] = {}
-        self._shapes: Optional[tuple[Any, Optional[np.ndarray]]] = None
+        self._geometries: Optional[tuple[_Geometries, Optional[np.ndarray]]] = None
 
-    def _distinct_shapes(self) -> tuple[Any, Optional[np.ndarray]]:
-        """(the layout's shape fields on its distinct shapes, inverse), or (lay, None) for one layout."""
-        if self._shapes is None:
+    def _distinct_shapes(self) -> tuple[_Geometries, Optional[np.ndarray]]:
+        """(the geometries of the layout's distinct shapes, inverse), or (of lay, None) for one layout."""
+        if self._geometries is None:
             columns = [np.asarray(getattr(self.lay, name)) for name in self.SHAPE_FIELDS]
             if columns[0].ndim != 1:
-                self._shapes = (self.lay, None)
+                self._geometries = (_Geometries(self.cluster, self.lay), None)
             else:
                 first, inverse = row_groups(columns)
-                self._shapes = (SimpleNamespace(**{name: col[first] for name, col in zip(self.SHAPE_FIELDS, columns)}),
-                                inverse)
-        return self._shapes
+                shapes = SimpleNamespace(**{name: col[first] for name, col in zip(self.SHAPE_FIELDS, columns)})
+                self._geometries = (_Geometries(self.cluster, shapes), inverse)
+        return self._geometries
+
+    def take(self, rows: np.ndarray, share: Values = 1.0) -> CollectivePricer:
+        """The pricer of the candidates at `rows` (with their core `share`): the same walks."""
+        geometries, inverse = self._distinct_shapes()
+        assert inverse is not None, "take needs a batch"
+        sub = CollectivePricer(self.cluster, None, share)
+        sub._geometries = (geometries, inverse[rows])
+        return sub
 
     def coefficients(self, group: str, kind: str) -> tuple[Line, ...]:
         """`protocol_coefficients` of a `kind` collective over process group `group`, per candidate."""
         key = (group, kind)
         if key not in self._coef:
-            shapes, inverse = self._distinct_shapes()
-            n, stride = group_geometry(shapes, group)
-            if group not in self._levels:
-                self._levels[group] = group_levels(self.cluster, n, stride) if np.any(n > 1.0) else None
-            lines = protocol_coefficients(self.cluster, kind, n, stride, self._levels[group])
+            geometries, inverse = self._distinct_shapes()
+            lines = geometries.lines(group, kind)
             self._coef[key] = lines if inverse is None else tuple((s[inverse], c[inverse]) for s, c in lines)
         return self._coef[key]
 

@@ -82,6 +82,19 @@ class HardwareView:
         self._memory_fraction = {c: memory.fraction[c] for c in MEMORY_CLASSES}
         self._bytes_half = memory.bytes_half
 
+    def take(self, rows: np.ndarray) -> HardwareView:
+        """The view of the candidates at `rows`: the same peaks and figures, gathered."""
+        pick = lambda v: v[rows] if isinstance(v, np.ndarray) and v.ndim else v  # noqa: E731
+        sub = object.__new__(HardwareView)
+        sub.__dict__.update(self.__dict__)
+        for name in ("precision_missing", "share", "gemm_peak", "attn_peak", "launch_latency_s"):
+            setattr(sub, name, pick(getattr(self, name)))
+        sub._dense = tuple(pick(v) for v in self._dense)
+        sub._dense_hp = tuple(pick(v) for v in self._dense_hp)
+        sub._grouped = {ph: tuple(pick(v) for v in t) for ph, t in self._grouped.items()}
+        sub._attention = tuple(pick(v) for v in self._attention)
+        return sub
+
     @staticmethod
     def _rows(table: np.ndarray, code: np.ndarray, present: np.ndarray) -> tuple[Values, ...]:
         """Columns of `table` for each candidate's precision code (scalars when all share one;

@@ -250,9 +250,9 @@ def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec,
             continue
         first, inverse = groups
         sub_arch, sub_lay = arch.take(first), lay.take(first)
-        sub_hw = HardwareView(cluster, sub_lay, hw.share[first])
-        sub = block_table(sub_arch, sub_lay, builder, comms_of(sub_arch, sub_lay)[block],
-                          CollectivePricer(cluster, sub_lay, sub_hw.share), sub_hw)
+        sub_hw = hw.take(first)
+        sub = block_table(sub_arch, sub_lay, builder, comms_of(sub_arch, sub_lay)[block], pricer.take(first, sub_hw.share),
+                          sub_hw)
         tables[block] = {k: (np.asarray(v)[inverse] if np.ndim(v) else v) for k, v in sub.items()}
     if "mtp" in tables:
         _add_mtp_layer(arch, tables)
@@ -272,11 +272,14 @@ class StageBlocks:
 
     def total(self, key: str, blocks: Optional[tuple[str, ...]] = None) -> Values:
         """Sum over `blocks` (default: all, in table order) of (blocks on this stage) x
-        (per-block entry `key`); zero entries are skipped."""
+        (per-block entry `key`); zero entries are skipped. The sum over all blocks continues the
+        sum over the LAYER_BLOCKS (the first in table order), which is kept: the same additions."""
         blocks = tuple(self.tables) if blocks is None else blocks
         if (key, blocks) not in self._memo:
-            acc: Values = 0.0
-            for b in blocks:
+            start, acc = 0, 0.0
+            if len(blocks) > len(LAYER_BLOCKS) and blocks[:len(LAYER_BLOCKS)] == LAYER_BLOCKS:
+                start, acc = len(LAYER_BLOCKS), self.total(key, LAYER_BLOCKS)
+            for b in blocks[start:]:
                 value = self.tables[b][key]
                 if np.ndim(value) == 0 and value == 0:
                     continue
