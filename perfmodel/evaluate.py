@@ -97,6 +97,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
 
 def _evaluate_batch(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, host: HostDispatch,
                     devices: np.ndarray) -> EvalResult:
+    valid = valid_mask(arch, lay, devices)  # on the given columns: integer remainders where they are integers
     arch, lay = as_float(arch), as_float(lay)
     pipeline = pipeline_stages(arch, lay)
     hw = HardwareView(cluster, lay, host.core_share(devices))
@@ -184,7 +185,7 @@ def _evaluate_batch(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         ("dispatcher", dispatch_missing),
         ("precision", hw.precision_missing),
         ("devices", devices > cluster.devices),
-        ("invalid_layout", ~valid_mask(arch, lay, devices)),
+        ("invalid_layout", ~valid),
     )
     for name, failed in checks:  # the last assignment wins: most fundamental first in REASONS
         reason = np.where(failed, REASONS.index(name), reason)
