@@ -113,17 +113,19 @@ def _evaluate_batch(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
     memory_rows: list[Rows] = []
     for i, stage in enumerate(pipeline):
         # The first and last stages are priced for every candidate. A further stage is padded with
-        # the first where a candidate has fewer (`pipeline_stages`): it is priced only for the
-        # candidates where it differs from the first, the others keep the first's numbers (the
+        # the first where a candidate has fewer (`pipeline_stages`): a timed one is priced only for
+        # the candidates where it differs from the first, the others keep the first's numbers (the
         # same counts and rank, the same numbers; `perfmodel.choice`), so a few uneven candidates
-        # cost a few rows.
+        # cost a few rows; a memory-only one (a few formulas) costs less on every candidate.
         rows = None if i < 2 else _rows_apart(stage, pipeline[0])
         if rows is not None and len(rows) == 0:
             continue  # the first stage again for every candidate: never slower or larger
+        if not stage.timed:
+            rows = None
         if rows is None:
             part = _StagePart(arch, lay, tables, stage, hw, pricer, activations, m, slots)
         else:
-            part = _StagePart.of_rows(rows, arch, lay, tables if stage.timed else {}, stage, hw, pricer, m, slots)
+            part = _StagePart.of_rows(rows, arch, lay, tables, stage, hw, pricer, m, slots)
         if stage.timed:
             st, memory_params = stage_times(StageBlocks(part.arch, part.lay, part.tables, part.stage.counts),
                                             cluster.overlap, part.hw, part.pricer, host)
