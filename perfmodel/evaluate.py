@@ -125,7 +125,7 @@ def _evaluate_batch(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         if rows is None:
             part = _StagePart(arch, lay, tables, stage, hw, pricer, activations, m, slots)
         else:
-            part = _StagePart.of_rows(rows, arch, lay, tables, stage, hw, pricer, m, slots)
+            part = _StagePart.of_rows(rows, arch, lay, tables, stage, hw, pricer, activations, m, slots)
         if stage.timed:
             st, memory_params = stage_times(StageBlocks(part.arch, part.lay, part.tables, part.stage.counts),
                                             cluster.overlap, part.hw, part.pricer, host)
@@ -228,14 +228,15 @@ class _StagePart:
 
     @staticmethod
     def of_rows(rows: np.ndarray, arch: ArchBatch, lay: LayoutBatch, tables: Tables, stage: Stage,
-                hw: HardwareView, pricer: CollectivePricer, m: Values, slots: Values) -> _StagePart:
+                hw: HardwareView, pricer: CollectivePricer, activations: dict[str, Values], m: Values,
+                slots: Values) -> _StagePart:
         sub_arch, sub_lay = arch.take(rows), lay.take(rows)
         sub_hw = hw.take(rows)
         take = lambda v: np.asarray(v)[rows] if np.ndim(v) else v  # noqa: E731
         return _StagePart(sub_arch, sub_lay, {b: {k: take(v) for k, v in t.items()} for b, t in tables.items()},
                           Stage(take(stage.rank), {b: take(v) for b, v in stage.counts.items()}, stage.timed),
                           sub_hw, pricer.take(rows, sub_hw.share),
-                          layer_activation_bytes(sub_arch, sub_lay), take(m), take(slots))
+                          {k: take(v) for k, v in activations.items()}, take(m), take(slots))
 
 
 def _rows_apart(stage: Stage, first: Stage) -> np.ndarray:

@@ -27,6 +27,7 @@ holds.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -232,11 +233,10 @@ def block_groups(block: str, arch: ArchBatch, lay: LayoutBatch, tokens: list[np.
 def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, comms_of: CommsOf,
                         pricer: CollectivePricer, hw: HardwareView) -> Tables:
     """`block_tables`, the GROUPED_BLOCKS computed once per group of `block_groups` and gathered."""
-    builders = _builders(bool(np.any(np.asarray(arch.n_mtp_layers) > 0)))  # as `operators.layer_comms`
+    comms = comms_of(arch, lay)
     tokens = None
-    comms: Optional[dict[str, list[Comm]]] = None
     tables: Tables = {}
-    for block, builder in builders:
+    for block, builder in _builders("mtp" in comms):
         groups = None
         if block in GROUPED_BLOCKS and len(hw.share) >= 256:
             if tokens is None:
@@ -245,18 +245,27 @@ def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec,
                                       + [hw.share])
             groups = block_groups(block, arch, lay, tokens)
         if groups is None:
-            comms = comms_of(arch, lay) if comms is None else comms
             tables[block] = block_table(arch, lay, builder, comms[block], pricer, hw)
             continue
         first, inverse = groups
-        sub_arch, sub_lay = arch.take(first), lay.take(first)
         sub_hw = hw.take(first)
-        sub = block_table(sub_arch, sub_lay, builder, comms_of(sub_arch, sub_lay)[block], pricer.take(first, sub_hw.share),
-                          sub_hw)
+        sub = block_table(arch.take(first), lay.take(first), builder, _comms_at(comms[block], first),
+                          pricer.take(first, sub_hw.share), sub_hw)
         tables[block] = {k: (np.asarray(v)[inverse] if np.ndim(v) else v) for k, v in sub.items()}
     if "mtp" in tables:
         _add_mtp_layer(arch, tables)
     return tables
+
+
+def _comms_at(comms: list[Comm], rows: np.ndarray) -> list[Comm]:
+    """The collectives of the candidates at `rows` (a buffer several share stays one object)."""
+    taken: dict[int, Values] = {}
+    out = []
+    for comm in comms:
+        if np.ndim(comm.bytes) and id(comm.bytes) not in taken:
+            taken[id(comm.bytes)] = np.asarray(comm.bytes)[rows]
+        out.append(replace(comm, bytes=taken.get(id(comm.bytes), comm.bytes)))
+    return out
 
 
 class StageBlocks:
