@@ -66,9 +66,9 @@ from typing import NamedTuple, Optional, Union
 
 import numpy as np
 
-from perfmodel import choice
+from perfmodel import choice, memo
 from perfmodel.choice import Rows
-from perfmodel.memo import memoised
+from perfmodel.memo import memoised, memoised_last
 from perfmodel.operators import (
     FP8,
     FP32,
@@ -149,6 +149,7 @@ def optimizer_bytes_per_param(lay: LayoutLike) -> Values:
     return np.where(precision_code(lay) == FP32, 8.0, 12.0)
 
 
+@memoised_last
 def layer_activation_bytes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
     """Stored activation bytes of one layer's blocks for one micro-batch (recompute none/selective).
 
@@ -286,10 +287,11 @@ def memory_per_device(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec,
     hold no more), with that stage's components; ties go to the earlier stage.
 
     `stages` and `params` ([stage_params(...) per stage]) may be passed when already computed."""
-    stages = pipeline_stages(arch, lay) if stages is None else stages
-    activations = layer_activation_bytes(arch, lay)
-    return largest_stage([stage_memory(arch, lay, cluster, st, st.counts, None if params is None else params[i],
-                                       activations) for i, st in enumerate(stages)])
+    with memo.scope():  # the stages share their batch's formulas (`perfmodel.memo`)
+        stages = pipeline_stages(arch, lay) if stages is None else stages
+        activations = layer_activation_bytes(arch, lay)
+        return largest_stage([stage_memory(arch, lay, cluster, st, st.counts, None if params is None else params[i],
+                                           activations) for i, st in enumerate(stages)])
 
 
 def largest_stage(mem: list[dict[str, Values]], rows: Optional[list[Rows]] = None) -> DeviceMemory:

@@ -81,7 +81,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from perfmodel.memo import memoised
+from perfmodel.memo import memoised, memoised_last
 from perfmodel.routing import busiest_load_factor, dropped_fraction
 from perfmodel.specs.architecture import uses_mla
 from perfmodel.specs.layout import DISPATCHERS, DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES
@@ -279,9 +279,10 @@ def _fp8_cast(block: str, lay: LayoutLike, fwd_elements: Values, bwd_elements: V
                    size_phase=1 if np.ndim(casts_fwd) == 0 and casts_fwd == 0 else 0)
 
 
-@memoised
+@memoised_last
 def shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
-    """Token counts and widths (see `_shapes`), once per (arch, lay) in an evaluation (`perfmodel.memo`)."""
+    """Token counts and widths (see `_shapes`), once per (arch, lay) in an evaluation and for the last
+    pair outside one (`perfmodel.memo`)."""
     return _shapes(arch, lay)
 
 
