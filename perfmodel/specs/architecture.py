@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from perfmodel.memo import memoised
-from perfmodel.specs.protocols import ArchLike, Values
+from perfmodel.specs.protocols import ArchLike, Values, rows_of
 from perfmodel.specs.strict import check
 
 CORE_ARCH_FIELDS = (
@@ -223,7 +223,7 @@ class ArchBatch:
         return MoEArchitecture(**values)
 
     def take(self, index: Union[int, slice, np.ndarray]) -> ArchBatch:
-        return ArchBatch(**{name: np.asarray(getattr(self, name))[index] for name in ARCH_FIELDS})
+        return ArchBatch(**{name: rows_of(getattr(self, name), index) for name in ARCH_FIELDS})
 
 
 # ---------------------------------------------------------------------------
