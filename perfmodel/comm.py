@@ -45,10 +45,13 @@ alpha-beta as in Galvatron/SimAI/llm-analysis):
 
 from __future__ import annotations
 
-from typing import Optional
+from types import SimpleNamespace
+from typing import Any, Optional
 
 import numpy as np
 
+from perfmodel.choice import select
+from perfmodel.grouping import row_groups
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.protocols import LayoutLike, Values
 
@@ -190,34 +193,85 @@ def collective_time(cluster: ClusterSpec, kind: str, size_bytes: Values, n: Opti
     for slope, latency in coefficients:
         line = size * slope + latency
         seconds = line if seconds is None else np.minimum(seconds, line)
-    return np.where(size > 0.0, seconds, 0.0)
+    return select(size > 0.0, seconds, 0.0)
+
+
+class _Geometries:
+    """The distinct layout shapes of a batch with their group geometries (`group_levels`) and
+    protocol lines (`protocol_coefficients`), each walked once (shared by the batch's pricers)."""
+
+    def __init__(self, cluster: ClusterSpec, shapes: Any) -> None:
+        self.cluster, self.shapes = cluster, shapes
+        self._levels: dict[str, Optional[list[LevelGeometry]]] = {}
+        self._lines: dict[tuple[str, str], tuple[Line, ...]] = {}
+
+    def lines(self, group: str, kind: str) -> tuple[Line, ...]:
+        key = (group, kind)
+        if key not in self._lines:
+            n, stride = group_geometry(self.shapes, group)
+            if group not in self._levels:
+                self._levels[group] = group_levels(self.cluster, n, stride) if np.any(n > 1.0) else None
+            self._lines[key] = protocol_coefficients(self.cluster, kind, n, stride, self._levels[group])
+        return self._lines[key]
 
 
 class CollectivePricer:
     """Collective prices for one batch of layouts on one cluster: each (group, kind)
-    geometry is walked once (`collective_coefficients`), and a repeated message (the
-    same array object, e.g. the forward and backward all-to-alls of one buffer) is
-    priced once. Every time is divided by the ranks' core share (`share`, 1 off-CPU:
-    ranks beyond the cores move and reduce their messages in turns)."""
+    geometry is walked once per distinct layout shape (tp, cp, dp, pp, ep, etp) of the batch
+    (`collective_coefficients` on those rows, gathered back: `perfmodel.grouping`; `take` gives
+    the pricer of some of the candidates, on the same walks), and a repeated message (the same
+    array object, e.g. the forward and backward all-to-alls of one buffer) is priced once. Every
+    time is divided by the ranks' core share (`share`, 1 off-CPU: ranks beyond the cores move
+    and reduce their messages in turns)."""
 
-    def __init__(self, cluster: ClusterSpec, lay: LayoutLike, share: Values = 1.0) -> None:
+    SHAPE_FIELDS = ("tp", "cp", "dp", "pp", "ep", "etp")
+    """The layout fields every group geometry is a function of (`group_geometry`)."""
+
+    def __init__(self, cluster: ClusterSpec, lay: Optional[LayoutLike], share: Values = 1.0) -> None:
         self.cluster, self.lay = cluster, lay
         self.slowdown = 1.0 / np.asarray(share, dtype=float)
+        self._slowed = bool(np.any(self.slowdown != 1.0))  # off-CPU every share is 1: no division
         self._coef: dict[tuple[str, str], tuple[Line, ...]] = {}
-        self._levels: dict[str, Optional[list[LevelGeometry]]] = {}
         self._times: dict[tuple[str, str, int], tuple[Values, np.ndarray]] = {}
+        self._geometries: Optional[tuple[_Geometries, Optional[np.ndarray]]] = None
+
+    def _distinct_shapes(self) -> tuple[_Geometries, Optional[np.ndarray]]:
+        """(the geometries of the layout's distinct shapes, inverse), or (of lay, None) for one layout."""
+        if self._geometries is None:
+            columns = [np.asarray(getattr(self.lay, name)) for name in self.SHAPE_FIELDS]
+            if columns[0].ndim != 1:
+                self._geometries = (_Geometries(self.cluster, self.lay), None)
+            else:
+                first, inverse = row_groups(columns)
+                shapes = SimpleNamespace(**{name: col[first] for name, col in zip(self.SHAPE_FIELDS, columns)})
+                self._geometries = (_Geometries(self.cluster, shapes), inverse)
+        return self._geometries
+
+    def take(self, rows: np.ndarray, share: Values = 1.0) -> CollectivePricer:
+        """The pricer of the candidates at `rows` (with their core `share`): the same walks."""
+        geometries, inverse = self._distinct_shapes()
+        assert inverse is not None, "take needs a batch"
+        sub = CollectivePricer(self.cluster, None, share)
+        sub._geometries = (geometries, inverse[rows])
+        return sub
+
+    def coefficients(self, group: str, kind: str) -> tuple[Line, ...]:
+        """`protocol_coefficients` of a `kind` collective over process group `group`, per candidate."""
+        key = (group, kind)
+        if key not in self._coef:
+            geometries, inverse = self._distinct_shapes()
+            lines = geometries.lines(group, kind)
+            self._coef[key] = lines if inverse is None else tuple((s[inverse], c[inverse]) for s, c in lines)
+        return self._coef[key]
 
     def time(self, group: str, kind: str, size_bytes: Values) -> np.ndarray:
         """Seconds of one `kind` collective of `size_bytes` over process group `group`."""
         hit = self._times.get((group, kind, id(size_bytes)))
         if hit is not None and hit[0] is size_bytes:
             return hit[1]
-        key = (group, kind)
-        if key not in self._coef:
-            n, stride = group_geometry(self.lay, group)
-            if group not in self._levels:
-                self._levels[group] = group_levels(self.cluster, n, stride) if np.any(n > 1.0) else None
-            self._coef[key] = protocol_coefficients(self.cluster, kind, n, stride, self._levels[group])
-        seconds = collective_time(self.cluster, kind, size_bytes, None, None, coefficients=self._coef[key]) * self.slowdown
+        coefficients = self.coefficients(group, kind)
+        seconds = collective_time(self.cluster, kind, size_bytes, None, None, coefficients=coefficients)
+        if self._slowed:
+            seconds = seconds * self.slowdown
         self._times[(group, kind, id(size_bytes))] = (size_bytes, seconds)  # holds the array: its id stays unique
         return seconds

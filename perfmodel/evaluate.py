@@ -35,16 +35,19 @@ report how far off they are.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import numpy as np
 from numpy.typing import ArrayLike
 
+from perfmodel import choice, memo
+from perfmodel.choice import Rows
 from perfmodel.comm import CollectivePricer
 from perfmodel.hardware import HardwareView
 from perfmodel.host import HostDispatch, host_dispatch
 from perfmodel.inputs import as_float, broadcast_inputs
-from perfmodel.memory import memory_per_device
+from perfmodel.memory import largest_stage, layer_activation_bytes, stage_memory
 from perfmodel.memory import stage_params as memory_stage_params
 from perfmodel.operators import shapes
 from perfmodel.result import BREAKDOWN_KEYS, HIDDEN_COMPONENTS, REASONS, STEP_COMPONENTS, EvalResult
@@ -58,14 +61,17 @@ from perfmodel.specs.architecture import (
 )
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LayoutBatch, ParallelLayout
-from perfmodel.stage import StageParams, StageTimes, stage_times
-from perfmodel.tables import StageBlocks, shared_block_tables
+from perfmodel.specs.protocols import Values
+from perfmodel.stage import StageTimes, stage_times
+from perfmodel.tables import StageBlocks, Tables, shared_block_tables
 from perfmodel.validity import valid_mask
 
 __all__ = ["BREAKDOWN_KEYS", "CHUNK", "HIDDEN_COMPONENTS", "REASONS", "STEP_COMPONENTS", "EvalResult", "evaluate"]
 
-CHUNK = 65536
-"""Candidates per vectorised pass (keeps the working set in cache)."""
+CHUNK = 32768
+"""Candidates per vectorised pass: small enough that its arrays (256 KiB each) stay in cache, large
+enough that the per-call overhead (~10 ms a pass) stays a few per cent (fastest of 8k-128k on
+benchmarks/perfmodel_speed.py)."""
 
 
 def evaluate(archs: Union[MoEArchitecture, ArchBatch], layouts: Union[ParallelLayout, LayoutBatch],
@@ -84,57 +90,60 @@ def evaluate(archs: Union[MoEArchitecture, ArchBatch], layouts: Union[ParallelLa
 
 
 def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, host: HostDispatch,
-                    devices: np.ndarray, pipeline: Optional[list[Stage]] = None) -> EvalResult:
-    if pipeline is None:
-        arch, lay = as_float(arch), as_float(lay)
-        pipeline = pipeline_stages(arch, lay)
-        if len(pipeline) > 2:
-            # The stages are priced batch-wide: the timed middle stages are priced only for the
-            # candidates that have one (every candidate's numbers are its own either way), so a
-            # few uneven ones do not triple the work of the rest. Memory-only stages are cheap
-            # and stay with every candidate.
-            memory_only = [stage for stage in pipeline[2:] if not stage.timed]
-            middle = np.zeros(len(devices), dtype=bool)
-            for stage in pipeline[2:]:
-                if stage.timed:
-                    middle |= np.asarray(stage.rank) != 0
-            if not middle.any() or middle.all():
-                pipeline = pipeline if middle.any() else pipeline[:2] + memory_only
-            else:
-                # every candidate through the first/last (+ memory-only) stages, then the ones
-                # with timed middle stages again with all of theirs, written over their rows
-                rows = np.flatnonzero(middle)
-                sub = [Stage(st.rank[rows], {b: v[rows] for b, v in st.counts.items()}, st.timed) for st in pipeline]
-                result = _evaluate_chunk(arch, lay, cluster, host, devices, pipeline[:2] + memory_only)
-                return _put(result, rows, _evaluate_chunk(arch.take(rows), lay.take(rows), cluster, host, devices[rows], sub))
+                    devices: np.ndarray) -> EvalResult:
+    with memo.scope():  # each formula of this chunk's batches once (`perfmodel.memo`)
+        return _evaluate_batch(arch, lay, cluster, host, devices)
+
+
+def _evaluate_batch(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, host: HostDispatch,
+                    devices: np.ndarray) -> EvalResult:
+    valid = valid_mask(arch, lay, devices)  # on the given columns: integer remainders where they are integers
+    arch, lay = as_float(arch), as_float(lay)
+    pipeline = pipeline_stages(arch, lay)
     hw = HardwareView(cluster, lay, host.core_share(devices))
     pricer = CollectivePricer(cluster, lay, hw.share)
-    tables = shared_block_tables(arch, lay, cluster, devices, host.block_comms, pricer, hw)
+    tables = shared_block_tables(arch, lay, cluster, host.block_comms, pricer, hw)
+    activations = layer_activation_bytes(arch, lay)
     m = micro_batches(lay)
     slots = bubble_slots(lay)
-    stages: list[StageTimes] = []
-    params: list[StageParams] = []
-    for stage in pipeline:
-        if not stage.timed:  # a middle rank a later one outweighs: memory only
-            params.append(memory_stage_params(arch, lay, stage.counts))
-            continue
-        st, stage_params = stage_times(StageBlocks(arch, lay, tables, stage.counts), cluster.overlap, hw, pricer, host)
-        st["step"] = (m + slots) * st["micro_batch"] + st["dp_step_exposed"] + st["dp_step_slowdown"] + st["optimizer"]
-        stages.append(st)
-        params.append(stage_params)
-    timed_ranks = [stage.rank for stage in pipeline if stage.timed]
-    slowest = np.zeros(len(devices), dtype=np.int64)  # ties go to the earlier stage (the first)
-    slowest_step = stages[0]["step"]
-    for i in range(1, len(stages)):
-        slower = stages[i]["step"] > slowest_step
-        slowest = np.where(slower, i, slowest)
-        slowest_step = np.where(slower, stages[i]["step"], slowest_step)
+    stages: list[StageTimes] = []  # timed stages: times of every candidate, or of `timed_rows`
+    timed_rows: list[Rows] = []
+    timed_ranks: list[Values] = []
+    memories: list[dict[str, Values]] = []  # every stage: memory of every candidate, or of `memory_rows`
+    memory_rows: list[Rows] = []
+    for i, stage in enumerate(pipeline):
+        # The first and last stages are priced for every candidate. A further stage is padded with
+        # the first where a candidate has fewer (`pipeline_stages`): a timed one is priced only for
+        # the candidates where it differs from the first, the others keep the first's numbers (the
+        # same counts and rank, the same numbers; `perfmodel.choice`), so a few uneven candidates
+        # cost a few rows; a memory-only one (a few formulas) costs less on every candidate.
+        rows = None if i < 2 else _rows_apart(stage, pipeline[0])
+        if rows is not None and len(rows) == 0:
+            continue  # the first stage again for every candidate: never slower or larger
+        if not stage.timed:
+            rows = None
+        if rows is None:
+            part = _StagePart(arch, lay, tables, stage, hw, pricer, activations, m, slots)
+        else:
+            part = _StagePart.of_rows(rows, arch, lay, tables, stage, hw, pricer, activations, m, slots)
+        if stage.timed:
+            st, memory_params = stage_times(StageBlocks(part.arch, part.lay, part.tables, part.stage.counts),
+                                            cluster.overlap, part.hw, part.pricer, host)
+            st["step"] = ((part.m + part.slots) * st["micro_batch"] + st["dp_step_exposed"] + st["dp_step_slowdown"]
+                          + st["optimizer"])
+            stages.append(st)
+            timed_rows.append(rows)
+            timed_ranks.append(stage.rank)
+        else:  # a middle rank a later one outweighs: memory only
+            memory_params = memory_stage_params(part.arch, part.lay, part.stage.counts)
+        memories.append(stage_memory(part.arch, part.lay, cluster, part.stage, part.stage.counts, memory_params,
+                                     part.activations))
+        memory_rows.append(rows)
+    slowest, _ = choice.largest([st["step"] for st in stages], timed_rows)  # ties go to the earlier stage
+    slowest_stage = choice.Chosen(slowest, timed_rows)
 
     def pick(key: str) -> np.ndarray:
-        value = stages[0][key]
-        for i in range(1, len(stages)):
-            value = np.where(slowest == i, stages[i][key], value)
-        return value
+        return slowest_stage.of([st[key] for st in stages])
 
     factor = straggler_factor(cluster, devices)
     base_step_s = pick("step")
@@ -162,7 +171,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
     }
     breakdown = {k: np.broadcast_to(np.asarray(v, dtype=float), step_s.shape).copy() for k, v in breakdown.items()}
 
-    memory = memory_per_device(arch, lay, cluster, pipeline, params)
+    memory = largest_stage(memories, memory_rows)
 
     tokens = np.asarray(lay.gbs, dtype=float) * np.asarray(arch.seq_len, dtype=float)
     tokens_per_s = tokens / step_s
@@ -178,7 +187,7 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
         ("dispatcher", dispatch_missing),
         ("precision", hw.precision_missing),
         ("devices", devices > cluster.devices),
-        ("invalid_layout", ~valid_mask(arch, lay, devices)),
+        ("invalid_layout", ~valid),
     )
     for name, failed in checks:  # the last assignment wins: most fundamental first in REASONS
         reason = np.where(failed, REASONS.index(name), reason)
@@ -202,19 +211,40 @@ def _evaluate_chunk(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, hos
     )
 
 
-def _put(result: EvalResult, rows: np.ndarray, part: EvalResult) -> EvalResult:
-    """`result` with the candidates at `rows` replaced by `part`'s (copies: no input is written)."""
-    values: dict[str, Any] = {}
-    for name in EvalResult.__dataclass_fields__:
-        value, new = getattr(result, name), getattr(part, name)
-        if isinstance(value, dict):
-            values[name] = {key: np.array(array) for key, array in value.items()}
-            for key, array in values[name].items():
-                array[rows] = new[key]
-        else:
-            values[name] = np.array(value)
-            values[name][rows] = new
-    return EvalResult(**values)
+@dataclass(frozen=True)
+class _StagePart:
+    """What pricing one stage for some candidates needs: their rows of the batch, its tables,
+    hardware view and pricer, the stage, and the per-candidate inputs already computed."""
+
+    arch: ArchBatch
+    lay: LayoutBatch
+    tables: Tables
+    stage: Stage
+    hw: HardwareView
+    pricer: CollectivePricer
+    activations: dict[str, Values]
+    m: Values
+    slots: Values
+
+    @staticmethod
+    def of_rows(rows: np.ndarray, arch: ArchBatch, lay: LayoutBatch, tables: Tables, stage: Stage,
+                hw: HardwareView, pricer: CollectivePricer, activations: dict[str, Values], m: Values,
+                slots: Values) -> _StagePart:
+        sub_arch, sub_lay = arch.take(rows), lay.take(rows)
+        sub_hw = hw.take(rows)
+        take = lambda v: np.asarray(v)[rows] if np.ndim(v) else v  # noqa: E731
+        return _StagePart(sub_arch, sub_lay, {b: {k: take(v) for k, v in t.items()} for b, t in tables.items()},
+                          Stage(take(stage.rank), {b: take(v) for b, v in stage.counts.items()}, stage.timed),
+                          sub_hw, pricer.take(rows, sub_hw.share),
+                          {k: take(v) for k, v in activations.items()}, take(m), take(slots))
+
+
+def _rows_apart(stage: Stage, first: Stage) -> np.ndarray:
+    """The candidates whose `stage` differs from the first stage (another rank or other counts)."""
+    apart = np.asarray(stage.rank) != np.asarray(first.rank)
+    for block, count in stage.counts.items():
+        apart = apart | (np.asarray(count) != np.asarray(first.counts[block]))
+    return np.flatnonzero(apart)
 
 
 def _choose(values: list, index: np.ndarray) -> np.ndarray:

@@ -21,6 +21,7 @@ from typing import Union
 
 import numpy as np
 
+from perfmodel.choice import select
 from perfmodel.errors import InputError
 from perfmodel.kernels.forms import GEMM_PHASES, MEMORY_CLASSES, phase_dims, saturation
 from perfmodel.operators import BF16, FP8, precision_code
@@ -70,23 +71,35 @@ class HardwareView:
         grouped = {ph: _gemm_table([k.grouped_gemm[k.precision("grouped_gemm", p)].phase(ph) for p in PRECISIONS])
                    for ph in GEMM_PHASES}
         attention = [k.attention[k.precision("attention", p)] for p in PRECISIONS]
-        # per candidate: one row of figures each (gathered once; scalars when one precision is present)
-        self._dense = self._rows(dense, code)
-        self._dense_hp = self._rows(dense, attn_code)
-        self._grouped = {ph: self._rows(t, code) for ph, t in grouped.items()}
         attn = np.asarray([[a.fwd_e_max, a.bwd_e_max, a.seq_half_causal, a.head_dim_half] for a in attention])
-        self._attention = self._rows(attn, attn_code)
+        # per candidate: one row of figures each (gathered on first use; scalars when one precision is present)
+        self._tables = {"dense": (dense, False), "dense_hp": (dense, True), "attention": (attn, True),
+                        **{f"grouped_{ph}": (t, False) for ph, t in grouped.items()}}
+        self._code, self._attn_code = code, attn_code
+        self._figures: dict[str, tuple[Values, ...]] = {}
         memory = k.memory
         self._memory_fraction = {c: memory.fraction[c] for c in MEMORY_CLASSES}
         self._bytes_half = memory.bytes_half
 
-    @staticmethod
-    def _rows(table: np.ndarray, code: np.ndarray) -> tuple[Values, ...]:
-        """Columns of `table` for each candidate's precision code (scalars when all share one)."""
-        present = np.unique(code)
-        if len(present) == 1:
-            return tuple(float(v) for v in table[int(present[0])])
-        return tuple(table[code, j] for j in range(table.shape[1]))
+    def take(self, rows: np.ndarray) -> HardwareView:
+        """The view of the candidates at `rows`: the same peaks and figures, gathered."""
+        sub = object.__new__(HardwareView)
+        sub.__dict__.update(self.__dict__)
+        for name in ("precision_missing", "share", "gemm_peak", "attn_peak", "launch_latency_s", "_code", "_attn_code"):
+            value = getattr(self, name)
+            setattr(sub, name, value[rows] if isinstance(value, np.ndarray) and value.ndim else value)
+        sub._figures = {}
+        return sub
+
+    def figures(self, name: str) -> tuple[Values, ...]:
+        """One figure set (dense, dense_hp, attention, grouped_<phase>) per candidate, by precision code."""
+        if name not in self._figures:
+            table, attention_precision = self._tables[name]
+            code = self._attn_code if attention_precision else self._code
+            present = np.unique(code)
+            self._figures[name] = (tuple(float(v) for v in table[int(present[0])]) if len(present) == 1
+                                   else tuple(np.take(table[:, j], code) for j in range(table.shape[1])))
+        return self._figures[name]
 
     # -- rates ------------------------------------------------------------------------------
     def gemm_rate(self, kind: str, phase: str, m: Values, n: Values, k: Values) -> Values:
@@ -94,19 +107,19 @@ class HardwareView:
         (m, n, k) per group in `phase` (fwd, dgrad, wgrad)."""
         pm, pn, pk = phase_dims(phase, m, n, k)
         if kind == "expert_gemm":
-            e_max, hm, hn, hk = self._grouped[phase]
+            e_max, hm, hn, hk = self.figures(f"grouped_{phase}")
             peak = self.gemm_peak
         elif kind == "gemm_hp":
-            e_max, hm, hn, hk = self._dense_hp
+            e_max, hm, hn, hk = self.figures("dense_hp")
             peak = self.attn_peak
         else:
-            e_max, hm, hn, hk = self._dense
+            e_max, hm, hn, hk = self.figures("dense")
             peak = self.gemm_peak
         return peak * (e_max * saturation(pm, hm) * saturation(pn, hn) * saturation(pk, hk))
 
     def attention_rate(self, phase: str, seq_len: Values, head_dim: Values) -> Values:
         """Achieved FLOP/s (executed, causal) of the flash-attention core in phase fwd or bwd."""
-        fwd_e, bwd_e, seq_half, dim_half = self._attention
+        fwd_e, bwd_e, seq_half, dim_half = self.figures("attention")
         e_max = fwd_e if phase == "fwd" else bwd_e
         return self.attn_peak * (e_max * saturation(seq_len, seq_half) * saturation(head_dim, dim_half))
 
@@ -122,4 +135,4 @@ class HardwareView:
         costs bytes_half's worth of streaming; nothing when no bytes move."""
         per_s = self.hbm_bytes_per_s * self._memory_fraction[kernel_class]
         seconds = (nbytes + np.maximum(kernels, 1.0) * self._bytes_half) / per_s
-        return np.where(np.asarray(nbytes) > 0, seconds, 0.0) if np.ndim(seconds) else (seconds if nbytes > 0 else 0.0)
+        return select(np.asarray(nbytes) > 0, seconds, 0.0) if np.ndim(seconds) else (seconds if nbytes > 0 else 0.0)

@@ -30,6 +30,7 @@ from typing import Optional, Protocol, Union
 
 import numpy as np
 
+from perfmodel.choice import select
 from perfmodel.comm import CollectivePricer
 from perfmodel.eager import (
     EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR,
@@ -119,8 +120,8 @@ class AsyncHost:
         total, full, selective = stage.total, stage.full, stage.selective
         fwd = total("fwd_kernels") + total("fwd_comm_kernels")
         bwd = (total("bwd_kernels") + total("bwd_comm_kernels")
-               + np.where(full, total("fwd_kernels", LAYER_BLOCKS),
-                          np.where(selective, total("selective_kernels", ("attention",)), 0.0)))
+               + select(full, total("fwd_kernels", LAYER_BLOCKS),
+                          select(selective, total("selective_kernels", ("attention",)), 0.0)))
         return fwd, bwd
 
     def dispatch_s(self, stage: StageBlocks, fwd_kernels: Values, bwd_kernels: Values, fwd_device_s: Values,

@@ -66,6 +66,9 @@ from typing import NamedTuple, Optional, Union
 
 import numpy as np
 
+from perfmodel import choice, memo
+from perfmodel.choice import Rows
+from perfmodel.memo import memoised, memoised_last
 from perfmodel.operators import (
     FP8,
     FP32,
@@ -132,6 +135,7 @@ def stage_params(arch: ArchLike, lay: LayoutLike, counts: dict[str, Values]) -> 
     return dense, experts
 
 
+@memoised
 def shard_sizes(lay: LayoutLike) -> tuple[Values, Values]:
     """Data-parallel shard counts: dense over dp*cp, experts over edp = tp*cp*dp/(etp*ep)."""
     tp, cp, dp = (np.asarray(getattr(lay, n), dtype=float) for n in ("tp", "cp", "dp"))
@@ -139,11 +143,13 @@ def shard_sizes(lay: LayoutLike) -> tuple[Values, Values]:
     return dp * cp, edp
 
 
+@memoised
 def optimizer_bytes_per_param(lay: LayoutLike) -> Values:
     """Adam state: fp32 master + 2 moments = 12 B (mixed precision), 2 moments = 8 B (fp32)."""
     return np.where(precision_code(lay) == FP32, 8.0, 12.0)
 
 
+@memoised_last
 def layer_activation_bytes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
     """Stored activation bytes of one layer's blocks for one micro-batch (recompute none/selective).
 
@@ -281,22 +287,21 @@ def memory_per_device(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec,
     hold no more), with that stage's components; ties go to the earlier stage.
 
     `stages` and `params` ([stage_params(...) per stage]) may be passed when already computed."""
-    stages = pipeline_stages(arch, lay) if stages is None else stages
-    activations = layer_activation_bytes(arch, lay)
-    mem = [stage_memory(arch, lay, cluster, st, st.counts, None if params is None else params[i], activations)
-           for i, st in enumerate(stages)]
+    with memo.scope():  # the stages share their batch's formulas (`perfmodel.memo`)
+        stages = pipeline_stages(arch, lay) if stages is None else stages
+        activations = layer_activation_bytes(arch, lay)
+        return largest_stage([stage_memory(arch, lay, cluster, st, st.counts, None if params is None else params[i],
+                                           activations) for i, st in enumerate(stages)])
+
+
+def largest_stage(mem: list[dict[str, Values]], rows: Optional[list[Rows]] = None) -> DeviceMemory:
+    """`DeviceMemory` of the largest of the stages' `stage_memory` components (ties: the earlier);
+    `rows`: the candidates each stage's components are given for (`perfmodel.choice`; None: all)."""
+    rows = [None] * len(mem) if rows is None else rows
     totals = [sum(m[k] for k in MEMORY_COMPONENTS) for m in mem]
-    choice = np.zeros(np.shape(totals[0]), dtype=np.int64)
-    best = totals[0]
-    for i in range(1, len(stages)):
-        bigger = totals[i] > best
-        choice = np.where(bigger, i, choice)
-        best = np.where(bigger, totals[i], best)
+    index, best = choice.largest(totals, rows)
     total = np.asarray(best, dtype=float)
-    breakdown = {}
-    for k in MEMORY_COMPONENTS:
-        value = mem[0][k]
-        for i in range(1, len(stages)):
-            value = np.where(choice == i, mem[i][k], value)
-        breakdown[k] = np.broadcast_to(value, total.shape).astype(float)
-    return DeviceMemory(total, breakdown, np.asarray(choice))
+    largest_stage = choice.Chosen(index, rows)
+    breakdown = {k: np.broadcast_to(largest_stage.of([m[k] for m in mem]), total.shape).astype(float)
+                 for k in MEMORY_COMPONENTS}
+    return DeviceMemory(total, breakdown, np.asarray(index))

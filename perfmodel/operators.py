@@ -81,6 +81,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from perfmodel.memo import memoised, memoised_last
 from perfmodel.routing import busiest_load_factor, dropped_fraction
 from perfmodel.specs.architecture import uses_mla
 from perfmodel.specs.layout import DISPATCHERS, DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES
@@ -148,11 +149,13 @@ DDP, ZERO1, FSDP = (DP_FLAVORS.index(f) for f in ("ddp", "zero1", "fsdp"))
 ALLTOALL, ALLGATHER, DEEPEP, HYBRIDEP = (DISPATCHERS.index(d) for d in ("alltoall", "allgather", "deepep", "hybridep"))
 
 
+@memoised
 def activation_bytes(lay: LayoutLike) -> Values:
     """Bytes per activation element: 4 for fp32 training, else 2 (bf16)."""
     return np.where(precision_code(lay) == FP32, 4.0, 2.0)
 
 
+@memoised
 def fp8_cast_bytes_per_element(lay: LayoutLike) -> tuple[Values, Values]:
     """(HBM bytes, kernels) per quantised element under fp8 (current scaling) and mxfp8;
     0 for other precisions (see the module doc, "FP8 casts")."""
@@ -162,11 +165,13 @@ def fp8_cast_bytes_per_element(lay: LayoutLike) -> tuple[Values, Values]:
     return nbytes, np.where(code == FP8, 2.0, np.where(code == MXFP8, 1.0, 0.0))
 
 
+@memoised
 def gemm_operand_bytes(lay: LayoutLike) -> Values:
     """Bytes per GEMM operand element: 1 under fp8/mxfp8, else the activation size."""
     return np.where(precision_code(lay) >= FP8, 1.0, activation_bytes(lay))
 
 
+@memoised
 def weight_bytes(lay: LayoutLike) -> Values:
     """Bytes per parameter of the model weights: fp32 4; bf16/fp16 2; fp8 keeps the
     bf16 weight plus a 1-byte fp8 copy (Transformer Engine) = 3."""
@@ -274,17 +279,11 @@ def _fp8_cast(block: str, lay: LayoutLike, fwd_elements: Values, bwd_elements: V
                    size_phase=1 if np.ndim(casts_fwd) == 0 and casts_fwd == 0 else 0)
 
 
-_SHAPES_CACHE: list[Any] = [None, None, None]
-
-
+@memoised_last
 def shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
-    """Token counts and widths (see `_shapes`), memoised for the last (arch, lay) pair."""
-    cache = _SHAPES_CACHE
-    if cache[0] is arch and cache[1] is lay:
-        return cache[2]
-    out = _shapes(arch, lay)
-    cache[:] = [arch, lay, out]
-    return out
+    """Token counts and widths (see `_shapes`), once per (arch, lay) in an evaluation and for the last
+    pair outside one (`perfmodel.memo`)."""
+    return _shapes(arch, lay)
 
 
 def _shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:

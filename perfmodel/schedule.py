@@ -36,6 +36,7 @@ from typing import Union
 
 import numpy as np
 
+from perfmodel.memo import memoised
 from perfmodel.specs.architecture import ArchBatch, n_ffn_dense_layers
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import DP_FLAVORS, LayoutBatch, ParallelLayout
@@ -257,6 +258,7 @@ def stage_layer_counts(arch: ArchLike, lay: LayoutLike) -> dict[str, dict[str, V
     return {"first": stages[0].counts, "last": stages[1].counts}
 
 
+@memoised
 def micro_batches(lay: LayoutLike) -> Values:
     """m = gbs / (mbs * dp): micro-batches per step per pipeline (at least 1)."""
     return np.maximum(np.asarray(lay.gbs, dtype=float) / (np.asarray(lay.mbs, dtype=float) * lay.dp), 1.0)

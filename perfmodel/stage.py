@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from perfmodel.choice import select
 from perfmodel.comm import CollectivePricer
 from perfmodel.hardware import HardwareView
 from perfmodel.host import HostDispatch
+from perfmodel.memo import memoised
 from perfmodel.memory import shard_sizes, stage_params
 from perfmodel.operators import (
     DDP,
@@ -64,6 +66,7 @@ StageParams = tuple[Values, Values]
 """(dense, expert) parameters one device of a stage holds before dp sharding (`memory.stage_params`)."""
 
 
+@memoised
 def optimizer_step_bytes_per_param(lay: LayoutLike) -> Values:
     """HBM bytes per updated parameter in the Adam step: read master, m, v, grad
     (16) + the gradient-norm read (4) + write master, m, v (12) + the bf16 weight
@@ -95,16 +98,16 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
     # selective recompute repeats the core (and MLA's up projections, tables.py)
     selective_fwd_s = counts["attention"] * stage.tables["attention"]["selective_fwd"]
     selective_overlap_s = counts["attention"] * stage.tables["attention"]["selective_fwd_overlap"]
-    recompute_s = np.where(full, layer_fwd_s, np.where(selective, selective_fwd_s, 0.0))
+    recompute_s = select(full, layer_fwd_s, select(selective, selective_fwd_s, 0.0))
     out["recompute"] = recompute_s
 
     fwd_compute_s = sum(total(f"fwd_{cat}") for cat in CATEGORIES)
     bwd_compute_s = sum(total(f"bwd_{cat}") for cat in CATEGORIES) + recompute_s
     fwd_window_s = total("fwd_overlap")
-    bwd_window_s = total("bwd_overlap") + np.where(full, layer_fwd_overlap_s, np.where(selective, selective_overlap_s,
+    bwd_window_s = total("bwd_overlap") + select(full, layer_fwd_overlap_s, select(selective, selective_overlap_s,
                                                                                           0.0))
     fwd_attn_s = total("fwd_attention")
-    bwd_attn_s = total("bwd_attention") + np.where(full | selective, core_fwd_s, 0.0)
+    bwd_attn_s = total("bwd_attention") + select(full | selective, core_fwd_s, 0.0)
 
     dense_params, expert_params = stage_params(arch, lay, counts)
     comm_s, param_gather_s, grad_scatter_s = _micro_batch_comm(stage, pricer, dense_params, expert_params)
@@ -153,7 +156,7 @@ def _micro_batch_comm(stage: StageBlocks, pricer: CollectivePricer, dense_params
     comm_s: dict[str, Values] = {}
     for cls in ("tp", "cp", "ep"):
         comm_s[f"fwd_{cls}"] = total(f"fwd_{cls}")
-        comm_s[f"bwd_{cls}"] = total(f"bwd_{cls}") + np.where(full, total(f"fwd_{cls}", LAYER_BLOCKS), 0.0)
+        comm_s[f"bwd_{cls}"] = total(f"bwd_{cls}") + select(full, total(f"fwd_{cls}", LAYER_BLOCKS), 0.0)
     shape = shapes(arch, lay)
     p2p_bytes = activation_bytes(lay) * shape["T"] * shape["h"] / np.where(shape["sp"], shape["tp"], 1.0)
     p2p_s = np.asarray(lay.vpp, dtype=float) * pricer.time("pp", "p2p", p2p_bytes)
@@ -165,8 +168,8 @@ def _micro_batch_comm(stage: StageBlocks, pricer: CollectivePricer, dense_params
                       + pricer.time("edp", "all_gather", gather_bytes_per_param * expert_params))
     grad_scatter_s = (pricer.time("dp", "reduce_scatter", FP32_GRAD_BYTES * dense_params)
                       + pricer.time("edp", "reduce_scatter", FP32_GRAD_BYTES * expert_params))
-    comm_s["fwd_fsdp"] = np.where(fsdp, param_gather_s, 0.0)
-    comm_s["bwd_fsdp"] = np.where(fsdp, param_gather_s + grad_scatter_s, 0.0)
+    comm_s["fwd_fsdp"] = select(fsdp, param_gather_s, 0.0)
+    comm_s["bwd_fsdp"] = select(fsdp, param_gather_s + grad_scatter_s, 0.0)
     return comm_s, param_gather_s, grad_scatter_s
 
 
@@ -214,12 +217,12 @@ def _dp_step_sync(lay: LayoutLike, pricer: CollectivePricer, fraction: dict[str,
     flavor = np.asarray(dp_flavor_code(lay))
     ddp = flavor == DDP
     zero1 = flavor == ZERO1
-    grad_sync_s = np.where(
+    grad_sync_s = select(
         ddp,
         pricer.time("dp", "all_reduce", FP32_GRAD_BYTES * dense_params)
         + pricer.time("edp", "all_reduce", FP32_GRAD_BYTES * expert_params),
-        np.where(zero1, grad_scatter_s, 0.0))
-    zero1_gather_s = np.where(zero1, param_gather_s, 0.0)
+        select(zero1, grad_scatter_s, 0.0))
+    zero1_gather_s = select(zero1, param_gather_s, 0.0)
     local_params = np.maximum(dense_params + expert_params, 1.0)
     last_bucket = np.minimum(1.0, DDP_BUCKET_PARAMS / local_params)
     grad_hidden_s = np.minimum(np.minimum(fraction["grad"] * grad_sync_s, left_s["bwd"]),

@@ -34,7 +34,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from perfmodel.specs.protocols import ArchLike, Values
+from perfmodel.memo import memoised
+from perfmodel.specs.protocols import ArchLike, Values, rows_of
 from perfmodel.specs.strict import check
 
 CORE_ARCH_FIELDS = (
@@ -222,22 +223,25 @@ class ArchBatch:
         return MoEArchitecture(**values)
 
     def take(self, index: Union[int, slice, np.ndarray]) -> ArchBatch:
-        return ArchBatch(**{name: np.asarray(getattr(self, name))[index] for name in ARCH_FIELDS})
+        return ArchBatch(**{name: rows_of(getattr(self, name), index) for name in ARCH_FIELDS})
 
 
 # ---------------------------------------------------------------------------
 # Derived quantities: pure functions over MoEArchitecture or ArchBatch.
 
+@memoised
 def ffn_matrices(arch: ArchLike) -> Values:
     """Weight matrices per FFN: 3 for gated (SwiGLU), 2 for a plain MLP."""
     return np.where(arch.gated_ffn, 3, 2)
 
 
+@memoised
 def n_moe_layers(arch: ArchLike) -> Values:
     """Layers whose FFN is routed (0 for a dense model)."""
     return np.where(np.asarray(arch.n_experts) > 0, np.asarray(arch.n_layers) - arch.n_dense_layers, 0)
 
 
+@memoised
 def n_ffn_dense_layers(arch: ArchLike) -> Values:
     """Layers whose FFN is the dense d_ff_dense MLP."""
     return np.asarray(arch.n_layers) - n_moe_layers(arch)
@@ -259,6 +263,7 @@ def mla_attention_params(arch: ArchLike) -> Values:
     return np.where(r_kv > 0, q + kv + heads * d_v * h, 0)
 
 
+@memoised
 def attention_params_per_layer(arch: ArchLike) -> Values:
     """QKV + output projections: h*(h_q + 2*h_kv) + h_q*h; MLA: `mla_attention_params`."""
     h_q = np.asarray(arch.n_heads) * arch.head_dim
@@ -268,16 +273,19 @@ def attention_params_per_layer(arch: ArchLike) -> Values:
     return np.where(mla, mla_attention_params(arch), mha) if np.any(mla) else mha
 
 
+@memoised
 def expert_params(arch: ArchLike) -> Values:
     """Parameters of one expert (routed or shared): (2|3) * h * d_expert."""
     return ffn_matrices(arch) * np.asarray(arch.d_model) * arch.d_expert
 
 
+@memoised
 def dense_ffn_params(arch: ArchLike) -> Values:
     """Parameters of one dense FFN: (2|3) * h * d_ff_dense."""
     return ffn_matrices(arch) * np.asarray(arch.d_model) * arch.d_ff_dense
 
 
+@memoised
 def router_params(arch: ArchLike) -> Values:
     return np.asarray(arch.d_model) * arch.n_experts
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from perfmodel.errors import InputError
 from perfmodel.specs.dispatch import FUSED_DISPATCHERS
+from perfmodel.specs.protocols import rows_of
 from perfmodel.specs.stages import parse_pp_layout
 from perfmodel.specs.strict import check, from_mapping
 
@@ -433,7 +434,7 @@ class LayoutBatch:
         return np.stack(cols, axis=1) if cols else np.zeros((len(self), 0), dtype=np.int64)
 
     def take(self, index: Any) -> LayoutBatch:
-        return LayoutBatch(**{name: np.asarray(getattr(self, name))[index]
+        return LayoutBatch(**{name: rows_of(getattr(self, name), index)
                               for name in LAYOUT_FIELDS + ("stage_layers", "stage_mtp")})
 
 

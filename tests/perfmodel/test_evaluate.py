@@ -319,7 +319,7 @@ def test_layer_ops_explain_every_phase():
 
 
 def test_shared_block_tables_equal_pricing_every_row(monkeypatch):
-    """Grids (geometries x layouts) price each distinct operator table once; results are identical."""
+    """Grids (geometries x layouts) price each distinct block table once; results are identical."""
     import sys
 
     module = sys.modules["perfmodel.tables"]
@@ -330,9 +330,12 @@ def test_shared_block_tables_equal_pricing_every_row(monkeypatch):
     archs = ArchBatch.stack([SMALL_MOE, SMALL_MOE.replace(top_k=4), DENSE.replace(n_layers=8)])
     index = np.arange(3 * len(layouts))
     a, lay = archs.take(index // len(layouts)), layouts.take(index % len(layouts))
-    assert module.table_groups(a, lay, np.full(len(index), 64.0)) is not None  # the shared path runs
+    tokens = module.pack_columns([np.asarray(getattr(a, f), dtype=float) for f in module.TOKEN_FIELDS[0]]
+                                 + [np.asarray(getattr(lay, f), dtype=float) for f in module.TOKEN_FIELDS[1]])
+    for block in module.GROUPED_BLOCKS:  # the shared path runs
+        assert module.block_groups(block, a, lay, tokens) is not None, block
     shared = evaluate(a, lay, H100)
-    monkeypatch.setattr(module, "table_groups", lambda *args: None)
+    monkeypatch.setattr(module, "block_groups", lambda *args: None)
     plain = evaluate(a, lay, H100)
     np.testing.assert_array_equal(shared.step_time_s, plain.step_time_s)
     np.testing.assert_array_equal(shared.memory_per_device_bytes, plain.memory_per_device_bytes)
