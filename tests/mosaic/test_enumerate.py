@@ -138,4 +138,4 @@ def test_progress_counts_every_candidate_seen(law, space, monkeypatch):
     monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 500)
     seen = []
     ranked = rank_cluster_optimal(_problem(law, space), top=2, progress=seen.append)
-    assert sum(seen) == ranked.pairs_seen == ranked.evaluated * 72 and len(seen) > 1
+    assert sum(seen) == ranked.pairs_seen == (ranked.evaluated + ranked.bounded_geometries) * 72 and len(seen) > 1
