@@ -24,7 +24,17 @@ import numpy as np
 from mosaic.planner import law as lawmod
 from mosaic.planner.budget import Budget, compute_optimal_flops, goodput, make_budget
 from mosaic.planner.candidates import GeometryResults, PairEvaluator
-from mosaic.planner.space import GeometrySet, ResolvedSpace, SearchSpace, geometries, layout_grid, load_space, resolve_space
+from mosaic.planner.space import (
+    GeometrySet,
+    ResolvedSpace,
+    SearchSpace,
+    geometries,
+    layout_grid,
+    load_space,
+    resolve_space,
+    scale_up_devices,
+    usable_tp,
+)
 from perfmodel.errors import InputError, SolverError
 from perfmodel.specs.architecture import model_flops_per_token
 from perfmodel.specs.cluster import ClusterSpec
@@ -177,8 +187,9 @@ def make_problem(cluster: ClusterSpec, budget: Budget, space: SearchSpace, law: 
     co = space.compute_optimal
     eta = goodput(cluster, budget.devices)
     c_model = compute_optimal_flops(cluster, budget, co.nominal_mfu, co.precision)
-    resolved = resolve_space(space, cluster.node_devices, c_model)
+    resolved = resolve_space(space, min(scale_up_devices(cluster), budget.devices), c_model)
     geoms = geometries(resolved)
+    resolved = usable_tp(resolved, geoms)
     grid = layout_grid(resolved, budget.devices)
     evaluator = PairEvaluator(geoms.archs, grid, cluster, budget.devices, space.layout.gbs_tokens, prune=prune)
     return Problem(cluster=cluster, budget=budget, space=space, law=law, resolved=resolved, geoms=geoms,
