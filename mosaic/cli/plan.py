@@ -51,6 +51,24 @@ def progress_bar(total: int, label: str, enabled: bool) -> Any:
     return progress, advance
 
 
+def search_line(s: dict[str, Any]) -> str:
+    """One line: what the search considered, pruned and evaluated, and how long it took."""
+    space = s.get("space_layouts", s["layouts_per_geometry"])
+    line = f"search: {s['solver']}, {s['geometries']:,} geometries x {space:,} layouts"
+    if "candidates_in_space" in s:
+        line += (f" = {s['candidates_in_space']:,} candidates; {s['timed']:,} timed, the rest pruned exactly "
+                 f"(overlap dominance {s['pruned_overlap_dominance']:,}, loss bound {s['pruned_loss_bound']:,} "
+                 f"in {s['pruned_geometries']:,} geometries, validity/memory/recompute/compute bound "
+                 f"{s['pruned_after_building']:,})")
+    if "status" in s:
+        line += (f"; MINLP over {s.get('geometries_in_model', 0):,} geometries after presolve: status {s['status']}, "
+                 f"gap {s.get('gap')}, solver {s.get('solver_seconds', 0):.2f} s")
+        co = s.get("compute_optimal") or {}
+        if co:
+            line += f"; compute-optimal MINLP {co['status']}, gap {co.get('gap')}, {co.get('solver_seconds', 0):.2f} s"
+    return line + f"; {s['seconds']:.1f} s"
+
+
 def render(data: dict[str, Any]) -> None:
     """The plan (its file's mapping, `Plan.to_dict()`) as tables readable at 80 columns."""
     co = data["compute_optimal"]
@@ -101,16 +119,7 @@ def render(data: dict[str, Any]) -> None:
     b = data["binding"]
     console.print(f"binding constraint: [bold]{b['constraint']}[/bold]: {b['detail']}; "
                   f"memory headroom of the plan {100 * b['memory_headroom']:.0f}%", highlight=False)
-    s = data["search"]
-    line = f"search: {s['solver']}, {s['geometries']:,} geometries x {s['layouts_per_geometry']:,} layouts"
-    if "evaluated_geometries" in s:
-        line += f", {s['evaluated_geometries']:,} timed, {s['pruned_geometries']:,} pruned by the loss bound"
-    if s.get("candidates_per_s"):
-        line += f", {s['candidates']:,} candidates at {s['candidates_per_s']:,.0f}/s"
-    if "status" in s:
-        line += f", status {s['status']}, gap {s.get('gap')}, solver time {s.get('solver_seconds', 0):.2f} s"
-    line += f", {s['seconds']:.1f} s"
-    console.print(line, highlight=False)
+    console.print(search_line(data["search"]), highlight=False)
     analysis = data.get("analysis") or {}
     if "sensitivity" in analysis:
         t3 = Table(title="sensitivity (cluster-optimal)")
@@ -140,6 +149,7 @@ def plan(
     output: Optional[str] = typer.Option(None, "-o", "--output", help="Write the plan YAML here."),
     json_output: bool = typer.Option(False, "--json", help="Print the plan (the -o file's content) as JSON."),
     top: int = typer.Option(10, "--top", help="Alternatives to list."),
+    time_limit: float = typer.Option(300.0, "--time-limit", help="Seconds the MINLP solver may take (scip, bonmin, mindtpy)."),
     workers: int = typer.Option(1, "--workers", help="Processes for the enumeration (large spaces)."),
     sensitivity: bool = typer.Option(False, "--sensitivity", help="Move budget, bandwidth and HBM by +-20%; bootstrap."),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide the progress bar."),
@@ -151,11 +161,14 @@ def plan(
 
     if top < 0:
         raise typer.BadParameter("--top must be >= 0")
+    if not time_limit > 0:
+        raise typer.BadParameter("--time-limit must be > 0 seconds")
     problem = build_problem(cluster, devices=devices, days=days, hours=hours, fit=fit, space=space)
     total = len(problem.geoms) * len(problem.evaluator.grid)
     bar, advance = progress_bar(total, "planning", enabled=not json_output and not no_progress)
     with bar:
-        result = solve(problem, solver=solver, top=top, progress=advance, workers=max(1, workers))
+        result = solve(problem, solver=solver, top=top, progress=advance, workers=max(1, workers),
+                       time_limit_s=time_limit)
     if sensitivity:
         from mosaic.planner.sensitivity import bootstrap_comparison, sensitivity_table
 

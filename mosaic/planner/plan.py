@@ -234,8 +234,31 @@ def infeasible_error(problem: Problem, ranked: Ranked) -> InfeasibleError:
         "(geometry.active_params / d_model), or more devices (", Param("devices"), ")")
 
 
+def search_counts(problem: Problem, ranked: Ranked) -> dict[str, Any]:
+    """What the enumeration considered, pruned and evaluated (candidates = geometry x layout pairs
+    of the space, the overlap-dominated layouts counted as pruned)."""
+    res = ranked.results
+    grid = len(problem.evaluator.grid)
+    space_pairs = len(problem.geoms) * problem.evaluator.space_layouts
+    built = ranked.pairs_seen
+    timed = int(res.n_timed.sum()) if res is not None and len(res.index) else 0
+    return {"evaluated_geometries": ranked.evaluated, "pruned_geometries": ranked.pruned_geometries,
+            "bounded_geometries": ranked.bounded_geometries, "candidates": built, "candidates_in_space": space_pairs,
+            "pruned_overlap_dominance": len(problem.geoms) * (problem.evaluator.space_layouts - grid),
+            "pruned_loss_bound": (len(problem.geoms) * grid) - built,
+            "timed": timed, "pruned_after_building": built - timed}
+
+
+def _put_first(ranked: Ranked, g: int) -> Ranked:
+    """`ranked` with geometry `g` first (the MINLP's compute-optimal choice; ties keep its pick)."""
+    pos = int(np.flatnonzero(ranked.index == g)[0])
+    order = np.r_[pos, np.delete(np.arange(len(ranked.index)), pos)]
+    return Ranked(ranked.index[order], ranked.loss[order], ranked.tokens[order], None, ranked.evaluated,
+                  ranked.pairs_seen, ranked.pruned_geometries)
+
+
 def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: Optional[Callable[[int], None]] = None,
-          workers: int = 1) -> PlanResult:
+          workers: int = 1, time_limit_s: Optional[float] = None) -> PlanResult:
     if solver not in SOLVERS:
         raise InputError(Param("solver", solver), f" is unknown; use one of {', '.join(SOLVERS)}")
     if len(problem.geoms) == 0:
@@ -244,16 +267,22 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
     t0 = time.perf_counter()
     co = rank_compute_optimal(problem)
     search: dict[str, Any] = {"solver": solver, "geometries": len(problem.geoms),
-                              "layouts_per_geometry": len(problem.evaluator.grid)}
+                              "layouts_per_geometry": len(problem.evaluator.grid),
+                              "space_layouts": problem.evaluator.space_layouts}
     if solver == "enumerate":
         ranked = rank_cluster_optimal(problem, top=top + 1, progress=progress, workers=workers)
-        search.update({"evaluated_geometries": ranked.evaluated, "pruned_geometries": ranked.pruned_geometries,
-                       "candidates": ranked.pairs_seen})
+        search.update(search_counts(problem, ranked))
     else:
-        from mosaic.planner.minlp import solve_cluster_optimal
+        from mosaic.planner import minlp
 
-        ranked, report = solve_cluster_optimal(problem, solver, top=top + 1, progress=progress)
+        limit = minlp.TIME_LIMIT_S if time_limit_s is None else float(time_limit_s)
+        ranked, report = minlp.solve_cluster_optimal(problem, solver, top=top + 1, progress=progress,
+                                                     time_limit_s=limit)
         search.update(report)
+        g, csol = minlp.solve_compute_optimal(problem, solver, limit)
+        search["compute_optimal"] = {"status": csol.status, "gap": csol.gap, "solver_seconds": csol.seconds,
+                                     "objective": csol.objective}
+        co = _put_first(co, g)
     feasible = np.isfinite(ranked.loss)
     if not np.any(feasible):
         if solver != "enumerate":  # the enumeration's per-geometry memory minima name the relaxation
