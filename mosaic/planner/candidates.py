@@ -220,6 +220,8 @@ class PairEvaluator:
         self.key_grid = dataclasses.replace(grid.take(first), gbs=np.asarray(grid.mbs)[first] * np.asarray(grid.dp)[first])
         self.key_of_layout = inverse.ravel()
         self.bound = ComputeBound(archs, grid, cluster, devices) if prune else None
+        self.counts = {"built": 0, "timed": 0}
+        """Pairs built and pairs timed by this evaluator's runs (in this process)."""
         self.bound_violated = False
         """Set when a timed pair beat its compute bound (the search then reruns without it)."""
         self.max_mfu_seen = 0.0
@@ -256,6 +258,7 @@ class PairEvaluator:
         geo_index = np.asarray(geo_index, dtype=np.int64)
         n_g, n_l = len(geo_index), len(self.grid)
         floor_g = np.zeros(n_g) if floor is None else np.asarray(floor, dtype=float)
+        self.counts["built"] += n_g * n_l
         archs, lays, g_of, l_of = self.pairs(geo_index)
         valid = valid_mask(archs, lays, self.devices)
         valid_m = valid.reshape(n_g, n_l)
@@ -272,6 +275,7 @@ class PairEvaluator:
             if not len(idx):
                 return
             res = perfmodel.evaluate(archs.take(idx), lays.take(idx), self.cluster, self.devices)
+            self.counts["timed"] += len(idx)
             ok = res.feasible
             tokens[idx] = np.where(ok, res.tokens_per_s, 0.0)
             mfu[idx] = np.where(ok, res.mfu, 0.0)
