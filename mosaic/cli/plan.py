@@ -59,7 +59,7 @@ def search_line(s: dict[str, Any]) -> str:
         timed = f"{s['timed']:,} timed" if s.get("timed") is not None else "timed in worker processes"
         after = f"{s['pruned_after_building']:,}" if s.get("pruned_after_building") is not None else "the rest"
         line += (f" = {s['candidates_in_space']:,} candidates; {timed}, the rest pruned exactly "
-                 f"(overlap dominance {s['pruned_overlap_dominance']:,}, loss bound {s['pruned_loss_bound']:,} "
+                 f"(overlap rules and dominance {s['pruned_overlap_dominance']:,}, loss bound {s['pruned_loss_bound']:,} "
                  f"in {s['pruned_geometries']:,} geometries, validity/memory/recompute/compute bound {after})")
     if "status" in s:
         line += (f"; MINLP over {s.get('geometries_in_model', 0):,} geometries after presolve: status {s['status']}, "
