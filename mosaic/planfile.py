@@ -12,7 +12,7 @@ a mapping with these top-level keys, in this order:
   model            MoEArchitecture keys
   tokens           training tokens D (> 0)
   layout           ParallelLayout keys, resolved (dp and gbs set)
-  predicted, derived, compute_optimal, binding, alternatives, search, analysis
+  predicted, derived, compute_optimal, binding, alternatives, decision, search, analysis
                    the planner's report, carried as written (`Plan.report`); no
                    reader interprets it
 
