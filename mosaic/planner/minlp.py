@@ -60,7 +60,7 @@ LAYOUT_VARS = ("tp", "pp", "vpp", "ep", "mbs")
 GAP = 1e-9
 FEASTOL = 1e-9
 TIME_LIMIT_S = 300.0
-INCUMBENT_CHUNKS = 8
+INCUMBENT_CHUNKS = 24
 """Chunks with a feasible geometry, in loss-bound order, that make the presolve's incumbent."""
 SOLVERS = ("scip", "bonmin", "mindtpy")
 
