@@ -2,8 +2,10 @@
 
 `SearchSpace` is loaded strictly (unknown keys are errors). `auto` entries are
 resolved by `resolve_space`:
-  layout.tp           powers of two up to min(node size, 8): TP stays inside a node
-                      and published recipes (Megatron-LM, MindSpeed) stop at 8
+  layout.tp           powers of two up to the scale-up domain (`scale_up_devices`: the
+                      devices one scale-up fabric joins at the node's bandwidth: 8 on an
+                      HGX node, 72 on NVL72, 768 dies on CloudMatrix384); the validity
+                      rules then keep what the geometry allows (tp | heads and KV heads)
   layout.sequence_parallel   on exactly when tp > 1
   geometry.active_params     N_act with D/N_act in `tokens_per_param` under the
                              compute-optimal budget C (C = 6 N D -> N = sqrt(C / (6 r)))
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import types
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -26,15 +29,18 @@ from typing import Optional, Union
 import numpy as np
 
 from perfmodel import layouts as perfmodel_layouts
+from perfmodel import validity as perfmodel_validity
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import CORE_ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
+from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import DISPATCHERS, DP_FLAVORS, OVERLAP_FIELDS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
 from perfmodel.specs.strict import check, load_spec, spec_from_dict
 
 PIPELINE_SPLITS = ("default", "balanced")
 
 IntList = tuple[int, ...]
-MAX_AUTO_TP = 8
+TP_RULES = ("tp_divides_heads", "tp_divides_ffn")
+"""The validity rules that read only tp and the geometry (`usable_tp`; tested)."""
 
 
 def _positive_list(values: tuple, key: str) -> None:
@@ -207,9 +213,22 @@ class ResolvedSpace:
     active_params_range: tuple[float, float]
 
 
-def resolve_space(space: SearchSpace, node_devices: int, compute_optimal_flops: float) -> ResolvedSpace:
+def scale_up_devices(cluster: ClusterSpec) -> int:
+    """Devices of the scale-up domain: the outermost fabric level whose per-device bandwidth is at
+    least the innermost level's (NVLink / UB / Infinity Fabric; a scale-out NIC is slower)."""
+    inner = cluster.levels[0]
+    out = inner.devices
+    for level in cluster.levels[1:]:
+        if level.bandwidth_bytes_per_s >= inner.bandwidth_bytes_per_s:
+            out = level.devices
+    return int(out)
+
+
+def resolve_space(space: SearchSpace, tp_domain_devices: int, compute_optimal_flops: float) -> ResolvedSpace:
+    """`auto` entries resolved: tp up to `tp_domain_devices` (`scale_up_devices` of the cluster, or
+    fewer for a smaller job), the active-parameter band from the compute-optimal budget."""
     lay = space.layout
-    tp = tuple(perfmodel_layouts.powers_of_two(min(node_devices, MAX_AUTO_TP))) if isinstance(lay.tp, str) else tuple(lay.tp)
+    tp = (tuple(perfmodel_layouts.powers_of_two(tp_domain_devices)) if isinstance(lay.tp, str) else tuple(lay.tp))
     sp = None if isinstance(lay.sequence_parallel, str) else tuple(lay.sequence_parallel)
     geo = space.geometry
     if isinstance(geo.active_params, str):
@@ -302,6 +321,22 @@ def geometry_label(arch: MoEArchitecture) -> str:
     return text + (f" Es{arch.n_shared_experts}" if arch.n_shared_experts else "")
 
 
+def usable_tp(resolved: ResolvedSpace, geoms: GeometrySet) -> ResolvedSpace:
+    """The resolved space without tp values that no geometry of the space accepts (the validity
+    rules that read tp and the geometry only: heads, KV heads, dense and shared FFN widths), so
+    that a large scale-up domain does not fill the grid with rows valid for nothing."""
+    rules = [rule for name, rule, _ in perfmodel_validity.RULES if name in TP_RULES]
+    keep = []
+    for t in resolved.tp:
+        lay = types.SimpleNamespace(tp=t)
+        ok = np.ones(len(geoms), dtype=bool)
+        for rule in rules:
+            ok &= np.asarray(rule(geoms.archs, lay), dtype=bool)
+        if np.any(ok) or not len(geoms):
+            keep.append(t)
+    return dataclasses.replace(resolved, tp=tuple(keep) or resolved.tp[:1])
+
+
 # ---------------------------------------------------------------------------
 # Layout grid.
 
@@ -351,6 +386,7 @@ def split_and_dispatch_variants(grid: LayoutBatch, splits: tuple[str, ...], disp
 
 __all__ = [
     "ComputeOptimalSpec", "GeometrySet", "GeometrySpace", "LayoutSpace", "ResolvedSpace", "SearchSpace",
-    "default_space_path", "geometries", "geometry_label", "layout_grid", "load_space", "resolve_space",
+    "default_space_path", "geometries", "geometry_label", "layout_grid", "load_space", "resolve_space", "scale_up_devices",
+    "usable_tp",
     "space_from_dict",
 ]
