@@ -92,6 +92,9 @@ GROUPED_BLOCKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 """The blocks priced once per group of equal rows (`block_groups`), with the (architecture,
 layout) fields their table depends on beyond TOKEN_FIELDS. The embedding, head and MTP blocks
 (a few ops each) cost less to price on every row than to group."""
+TABLE_LAYOUT_FIELDS = tuple(dict.fromkeys(TOKEN_FIELDS[1] + tuple(f for _, lay in GROUPED_BLOCKS.values() for f in lay)))
+"""Every layout field a block table reads (not pp, vpp, dp, the dp flavour, gbs, recompute, the
+pipeline split or the overlap switches): layouts equal in these share their block tables."""
 GROUP_SAMPLE = 8192
 """Rows `block_groups` samples first: sampled from n rows in G equal groups, about
 G (1 - exp(-sample / G)) differ, so a block with G <= n / 2 (worth grouping) shows at most ~3/4

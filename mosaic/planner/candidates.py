@@ -65,7 +65,7 @@ def memory_per_device(archs: ArchBatch, lays: LayoutBatch, cluster: ClusterSpec)
     return perfmodel.memory.memory_per_device(archs, lays, cluster).total_bytes
 
 
-OVERLAP_RULES = ("tp_overlap_needs_tp", "ep_overlap_conditions", "param_gather_overlap_needs_sharding")
+OVERLAP_RULES = ("tp_overlap_needs_tp", "ep_overlap_needs_ep", "param_gather_overlap_needs_sharding")
 """The validity rules that read the overlap switches; each reads the layout only (tested), so
 whether a switch may be on is a property of the layout row."""
 
@@ -87,7 +87,7 @@ def overlap_dominated(grid: LayoutBatch) -> np.ndarray:
     taken by one class is at most a second another class could have hidden; the host's dispatch
     max(launches, device time) does not grow when device time falls)."""
     fields = list(LAYOUT_FIELDS)
-    cols = np.stack([np.asarray(getattr(grid, f), dtype=np.int64) for f in fields], axis=1)
+    cols = grid.key_columns(fields)
     allowed = overlap_allowed(grid)
     _, group = np.unique(np.delete(cols, [fields.index(f) for f in OVERLAP_FIELDS], axis=1), axis=0,
                          return_inverse=True)
