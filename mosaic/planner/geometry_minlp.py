@@ -36,15 +36,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 from mosaic.planner import law as lawmod
+from mosaic.planner.minlp import solve_nl_scip
 from perfmodel.errors import InputError, Param, SolverError
 from perfmodel.specs.architecture import CORE_ARCH_FIELDS, ArchBatch, active_params, model_flops_per_token, total_params
 from perfmodel.specs.strict import check
@@ -250,27 +249,14 @@ def build_model(space: IntegerSpace, law: lawmod.Law, c_model: float) -> tuple[A
 
 def solve(space: IntegerSpace, law: lawmod.Law, c_model: float, time_limit_s: float = 600.0) -> GeometryAnswer:
     """The compute-optimal geometry of `space` by SCIP, checked against perfmodel and the law."""
-    import pyscipopt
-
     t0 = time.perf_counter()
     model, structs = build_model(space, law, c_model)
-    with tempfile.TemporaryDirectory(prefix="mosaic_geometry_") as tmp:
-        path = Path(tmp) / "geometry.nl"
-        model.write(str(path), format="nl", io_options={"symbolic_solver_labels": True})
-        scip = pyscipopt.Model()
-        scip.hideOutput()
-        scip.readProblem(str(path))
-        scip.setParam("limits/time", time_limit_s)
-        scip.setParam("limits/gap", 1e-7)
-        scip.optimize()
-        status = scip.getStatus()
-        if scip.getNSols() == 0 or status not in ("optimal", "gaplimit"):
-            gap = scip.getGap() if scip.getNSols() else math.inf
-            raise SolverError(Param("solver", "scip"), f": no proven optimum of the geometry MINLP (status {status}, "
-                              f"gap {gap:.2g}, {time.perf_counter() - t0:.0f} s); raise the time limit or narrow the "
-                              "integer ranges")
-        values = {v.name: scip.getVal(v) for v in scip.getVars()}
-        gap, objective = float(scip.getGap()), float(scip.getObjVal())
+    status, gap, values, objective = solve_nl_scip(model, time_limit_s, gap=1e-7, feastol=None)
+    if gap is None or status not in ("optimal", "gaplimit"):
+        shown = math.inf if gap is None else gap
+        raise SolverError(Param("solver", "scip"), f": no proven optimum of the geometry MINLP (status {status}, "
+                          f"gap {shown:.2g}, {time.perf_counter() - t0:.0f} s); raise the time limit or narrow the "
+                          "integer ranges")
     c = int(np.argmax([values[f"x[{i}]"] for i in range(len(structs))]))
     v, layers, experts, k = (int(round(values[f"I[{n}]"])) for n in ("v", "L", "E", "k"))
     arch = space.archs(structs[c], v, layers, experts, k)

@@ -203,7 +203,7 @@ def solve_model(model: Any, solver: str, time_limit_s: float = TIME_LIMIT_S, cho
         raise SolverError(Param("solver", solver), f": {why}; or use ", Param("solver", "enumerate"))
     t0 = time.perf_counter()
     if solver == "scip":
-        status, gap, values, objective = _solve_scip(model, time_limit_s)
+        status, gap, values, objective = solve_nl_scip(model, time_limit_s, exact_root=getattr(model, "exact_root", False))
         _load_values(model, values)
     else:
         status, gap, values, objective = _solve_pyomo(model, solver, why, time_limit_s)
@@ -231,29 +231,36 @@ def _load_values(model: Any, values: dict[str, float]) -> None:
             var.set_value(round(value) if var.is_integer() or var.is_binary() else value, skip_validation=True)
 
 
-def _solve_scip(model: Any, time_limit_s: float) -> tuple[str, Optional[float], dict[str, float], float]:
+def solve_nl_scip(model: Any, time_limit_s: float, gap: float = GAP, feastol: Optional[float] = FEASTOL,
+                  exact_root: bool = False) -> tuple[str, Optional[float], dict[str, float], float]:
+    """(status, gap, values by name, objective) of a Pyomo model written as .nl (symbolic labels)
+    and solved by pyscipopt's SCIP; `exact_root` turns presolve and the primal heuristics off
+    (for a formulation whose root relaxation is its optimum); gap and objective None/nan without
+    a solution. feastol None keeps SCIP's own."""
     import pyscipopt
 
     with tempfile.TemporaryDirectory(prefix="mosaic_minlp_") as tmp:
-        path = Path(tmp) / "plan.nl"
+        path = Path(tmp) / "model.nl"
         model.write(str(path), format="nl", io_options={"symbolic_solver_labels": True})
         scip = pyscipopt.Model()
         scip.hideOutput()
         scip.readProblem(str(path))
-        scip.setParam("limits/gap", GAP)
+        scip.setParam("limits/gap", gap)
         scip.setParam("limits/time", time_limit_s)
-        scip.setParam("numerics/feastol", FEASTOL)
-        if getattr(model, "exact_root", False):
+        if feastol is not None:
+            scip.setParam("numerics/feastol", feastol)
+        if exact_root:
             # the hull row makes the root relaxation's solution the optimum: presolve's probing and the
             # primal heuristics over thousands of binaries cost more than the solve (measured, docs/design.md)
             scip.setPresolve(pyscipopt.SCIP_PARAMSETTING.OFF)
             scip.setHeuristics(pyscipopt.SCIP_PARAMSETTING.OFF)
         scip.optimize()
         status = scip.getStatus()
-        values = {v.name: scip.getVal(v) for v in scip.getVars()} if scip.getNSols() > 0 else {}
-        gap = float(scip.getGap()) if scip.getNSols() > 0 else None
-        objective = float(scip.getObjVal()) if scip.getNSols() > 0 else float("nan")
-    return status, gap, values, objective
+        solved = scip.getNSols() > 0
+        values = {v.name: scip.getVal(v) for v in scip.getVars()} if solved else {}
+        found_gap = float(scip.getGap()) if solved else None
+        objective = float(scip.getObjVal()) if solved else float("nan")
+    return status, found_gap, values, objective
 
 
 def _solve_pyomo(model: Any, solver: str, detail: str, time_limit_s: float) -> tuple[str, Optional[float], dict[str, float], float]:
