@@ -4,13 +4,14 @@
     python benchmarks/gpu_check.py --dry-run --out OUT       # the same orchestration on cpu, tiny sizes
 
 Every step is a public `mosaic` command in a subprocess, read through its documented outputs
-(`--json`, run.yaml, metrics.jsonl, the measurements CSV), each with a timeout inside one overall
+(`--json`, run.yaml, metrics.jsonl, the calibration's kernel tables), each with a timeout inside one overall
 deadline (`--budget-s`); a phase that runs over is killed with its process group and what it
 left (metrics lines are written step by step) is used. Phases and their caps (GPU / dry run):
 
   0. environment  python, torch, CUDA, device, compute capability, memory, torchao   (60 s)
   1. calibrate    `mosaic calibrate --device cuda --quick --nproc 1 --report`: GEMM by shape and
-                  precision, grouped GEMM, attention, memory bandwidth, launch latency (150 s).
+                  precision, grouped GEMM, attention, memory-bound kernels, host figures (150 s),
+                  written as kernel-table rows in calibrated.kernels/ (calibration.tables).
                   Base: the bundled cluster of the device (`h200` on an H200); where that rule
                   refuses the device, again with --cluster h200, the refusal kept.
   2. train        `mosaic train --no-checkpoint` of each configuration, `--steps` steps
@@ -22,9 +23,16 @@ left (metrics lines are written step by step) is used. Phases and their caps (GP
                   the calibrated one, then `mosaic calibrate --from-runs` on the calibrated one
                   and `mosaic predict --json` on the refitted file (60 s each).
   4. report       OUT/summary.json (everything, written after every phase), step_time.png,
-                  kernels.png, memory.png, calibrated.yaml + calibrated.measurements.csv,
-                  refit.yaml and gpu_check.tar.gz (run folders, calibration report, each
+                  kernels.png, memory.png, calibrated.yaml + calibrated.kernels.tar.gz (the
+                  folder `mosaic calibrate` wrote beside it: its measured rows as kernel tables,
+                  host.csv, provenance.yaml; `tar xzf` it beside calibrated.yaml), refit.yaml and
+                  gpu_check.tar.gz (run folders, the calibration report and tables, each
                   command's log and JSON): 8 files, a few MB, what the device tool brings back.
+
+The kernel comparison scores every measured row the fit uses against the bundled cluster's
+kernel figures and the calibrated cluster's, through `perfmodel.kernels.check.table_errors` (the
+computation that holds the bundled clusters to their tables), one row at a time; per kind and
+precision (memory: kernel class; collectives: collective) the medians.
 
 The measured step time of a run is `mosaic calibrate --from-runs`' (the mean after warm-up);
 tokens/s and MFU are the run's at that step time (MFU against the bundled cluster's datasheet
@@ -42,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import csv
 import json
 import math
 import os
@@ -57,6 +64,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # perfmodel and calibration are imported where used (--tables needs neither)
+    sys.path.insert(0, str(REPO))
 
 GPU_MODEL = REPO / "examples" / "models" / "moe_1b_active.yaml"
 DRY_MODEL = REPO / "examples" / "tiny_moe.yaml"
@@ -352,9 +361,7 @@ class Check:
         if self.calibrated_given is not None:
             target = self.work / "calibrated.yaml"
             shutil.copyfile(self.calibrated_given, target)
-            csv_given = self.calibrated_given.with_name(f"{self.calibrated_given.stem}.measurements.csv")
-            if csv_given.is_file():
-                shutil.copyfile(csv_given, self.work / "calibrated.measurements.csv")
+            _tables_given(self.calibrated_given, _tables_folder(target))
             self.summary.setdefault("phases", {})["calibrate"] = {
                 "status": "ok", "seconds": 0.0, "returncode": None, "message": f"reused {self.calibrated_given}",
                 "command": ""}
@@ -378,9 +385,9 @@ class Check:
         self.summary["calibrated_cluster"] = str(output.relative_to(self.work))
         self.summary["calibration_printed"] = printed
         shutil.copyfile(output, self.out / "calibrated.yaml")
-        csv_file = output.with_name(f"{output.stem}.measurements.csv")
-        if csv_file.is_file():
-            shutil.copyfile(csv_file, self.out / "calibrated.measurements.csv")
+        folder, returned = _tables_folder(output), _tables_folder(self.out / "calibrated.yaml")
+        if folder.is_dir():  # one file, which unpacks to the folder beside the returned calibrated.yaml
+            _tar(folder, returned.with_name(f"{returned.name}.tar.gz"), returned.name)
         self.write_summary()
 
     def bundled(self) -> str:
@@ -538,6 +545,17 @@ class Check:
                      f"{pct('step_time_calibrated'):>11} {pct('step_time_refit'):>8} {pct('step_time_refit_loo'):>8} "
                      f"{run['tokens_per_s']:>10,.0f} {run['mfu']:>6.1%} {run['peak_memory_bytes'] / 2**30:>11.2f} "
                      f"{(memory / 2**30 if memory else float('nan')):>10.2f}")
+        kernels = self.summary.get("kernels") or {}
+        if kernels.get("table"):
+            self.say("")
+            self.say(f"kernel rows of {kernels['tables']}, median |predicted / measured - 1| (rows scored): "
+                     f"bundled {kernels['bundled']}, calibrated")
+        for key, row in (kernels.get("table") or {}).items():
+            def cell(label: str, row: dict[str, Any] = row) -> str:
+                value = row.get(f"median_abs_error_{label}")
+                return "-" if value is None else f"{value:.1%} ({row[f'scored_{label}']})"
+
+            self.say(f"  {key:<28} {row['rows']:>4} rows  {cell('bundled'):>14} {cell('calibrated'):>14}")
         self.say("")
         if self.dry_run:
             self.say("dry run: tiny model on cpu; the figures test the orchestration, not the targets")
@@ -549,11 +567,7 @@ class Check:
         """Everything else into one archive; the working folder goes; at most RETURN_LIMITS files stay."""
         self.say(f"wrote {self.out} ({time.monotonic() - self.started:.0f} s)")
         _write_atomic(self.work / "logs" / "gpu_check.log", "\n".join(self.log_lines) + "\n")
-        archive = self.out / "gpu_check.tar.gz"
-        tmp = archive.with_name(f".{archive.name}.tmp")
-        with tarfile.open(tmp, "w:gz") as tar:
-            tar.add(self.work, arcname="gpu_check")
-        os.replace(tmp, archive)
+        _tar(self.work, self.out / "gpu_check.tar.gz", "gpu_check")
         shutil.rmtree(self.work)
         self.write_summary()
         files = sorted(p for p in self.out.iterdir())
@@ -564,6 +578,39 @@ class Check:
 
 
 # --------------------------------------------------------------------------- reading outputs
+
+def _tar(folder: Path, archive: Path, arcname: str) -> None:
+    """`folder` as `archive` (gzip), its top folder named `arcname`; written to a temp file, then renamed."""
+    tmp = archive.with_name(f".{archive.name}.tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(folder, arcname=arcname)
+    os.replace(tmp, archive)
+
+
+def _tables_folder(cluster_file: Path) -> Path:
+    """The kernel-tables folder `mosaic calibrate -o cluster_file` writes beside it (X.yaml -> X.kernels/)."""
+    from calibration.tables import folder_of
+
+    return folder_of(cluster_file)
+
+
+def _tables_given(calibrated: Path, target: Path) -> None:
+    """The tables of a reused calibrated cluster X.yaml into `target`: the folder X.kernels/
+    beside it (`mosaic calibrate`'s), else the archive X.kernels.tar.gz an earlier check returned
+    (its one top folder); neither there: nothing (the kernel comparison says so)."""
+    folder = _tables_folder(calibrated)
+    archive = folder.with_name(f"{folder.name}.tar.gz")
+    if folder.is_dir():
+        shutil.copytree(folder, target)
+    elif archive.is_file():
+        staging = target.with_name(f".{target.name}.untar")
+        with tarfile.open(archive) as tar:
+            tar.extractall(staging, filter="data")
+        tops = list(staging.iterdir())
+        if len(tops) == 1 and tops[0].is_dir():
+            tops[0].rename(target)
+        shutil.rmtree(staging, ignore_errors=True)
+
 
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -594,7 +641,6 @@ def _commit() -> Optional[str]:
 
 def _model_figures(model_file: Path) -> dict[str, Any]:
     """Parameter counts of the model file (perfmodel's definitions: non-embedding unless named)."""
-    sys.path.insert(0, str(REPO))
     from mosaic.trainer.config import load_model_file
 
     arch = load_model_file(model_file)
@@ -728,83 +774,129 @@ def _targets(summary: dict[str, Any], precision: str) -> list[dict[str, Any]]:
     return targets
 
 
-def _curve(spec: Optional[dict[str, Any]], *path: str) -> Optional[tuple[list[float], list[float]]]:
-    """(sizes, values) of an efficiency curve in `mosaic show-cluster --json` (None where the file
-    says it otherwise: its format is the cluster file's, which may move to kernel tables)."""
-    node: Any = spec
-    for key in path:
-        node = node.get(key) if isinstance(node, dict) else None
-    if isinstance(node, dict) and isinstance(node.get("sizes"), list) and isinstance(node.get("values"), list):
-        return [float(s) for s in node["sizes"]], [float(v) for v in node["values"]]
-    return None
+KERNEL_UNITS = {"gemm": ("tflops", 1e12, "TFLOP/s"), "grouped_gemm": ("tflops", 1e12, "TFLOP/s"),
+                "attention": ("tflops", 1e12, "TFLOP/s"), "memory_kernels": ("gbps", 1e9, "GB/s"),
+                "collectives": ("busbw_gbps", 1e9, "GB/s bus")}
+"""Kind -> (the table's rate column, its scale to per second, the unit printed)."""
 
 
-def _at(curve: Optional[tuple[list[float], list[float]]], size: float) -> Optional[float]:
-    """The curve at `size`: piecewise linear in log10(size), flat beyond its ends (the rule
-    perfmodel.specs.cluster.EfficiencyCurve states)."""
-    if curve is None or size <= 0:
-        return None
+def _group(kind: str, rows: Any, i: int) -> str:
+    """A row's group in the comparison: its precision (GEMM, grouped GEMM, attention), its kernel
+    class (memory-bound: the figure it is priced by) or its collective."""
+    if kind == "memory_kernels":
+        from perfmodel.kernels.fit import MEMORY_KERNEL_CLASS
+
+        return MEMORY_KERNEL_CLASS.get(str(rows["kernel"][i]), str(rows["kernel"][i]))
+    if kind == "collectives":
+        return str(rows["collective"][i])
+    return str(rows["precision"][i])
+
+
+def _shape(kind: str, rows: Any, i: int) -> str:
+    def n(column: str) -> str:
+        value = rows.get(column)
+        return "-" if value is None or not math.isfinite(float(value[i])) else f"{float(value[i]):g}"
+
+    if kind == "gemm":
+        return f"m={n('m')} n={n('n')} k={n('k')}"
+    if kind == "grouped_gemm":
+        return f"{rows['phase'][i]} groups={n('groups')} m_per_group={n('m_per_group')} n={n('n')} k={n('k')}"
+    if kind == "attention":
+        return f"{rows['phase'][i]} causal={rows['causal'][i]} seq={n('seq_len')} head_dim={n('head_dim')}"
+    if kind == "memory_kernels":
+        return f"{rows['kernel'][i]} {n('bytes_moved')} B"
+    return f"{n('ranks')} ranks, {rows['span'][i]}, {n('size_bytes')} B"
+
+
+def row_errors(cluster: Any, tables: dict[str, Any], accelerator: str) -> dict[str, list[Optional[float]]]:
+    """Per kind, the relative error (predicted / measured - 1) of each used row of `accelerator`
+    (`KernelTable.rows_of` order) on `cluster`: `perfmodel.kernels.check.table_errors` of that row
+    alone; None where the check does not score it (a precision the cluster does not price, a
+    collective below the size it is held to)."""
     import numpy as np
 
-    return float(np.interp(math.log10(size), np.log10(curve[0]), curve[1]))
+    from perfmodel.kernels.check import cluster_spans, table_errors
+
+    spans = cluster_spans(cluster)
+    empty = {kind: table.select(np.zeros(len(table), dtype=bool)) for kind, table in tables.items()}
+    out: dict[str, list[Optional[float]]] = {}
+    for kind, table in tables.items():
+        rows = table.rows_of(accelerator)
+        index = np.arange(len(rows))
+        values: list[Optional[float]] = []
+        for i in range(len(rows)):
+            errors = table_errors(cluster, {**empty, kind: rows.select(index == i)}, accelerator, spans)[kind]
+            values.append(float(errors[0]) if len(errors) else None)
+        out[kind] = values
+    return out
 
 
 def _kernels(check: Check) -> dict[str, Any]:
-    """Each measured kernel point against the bundled cluster's figure at its size (and the
-    calibrated one's), from the measurements CSV; per (kind, precision), the medians."""
-    path = check.out / "calibrated.measurements.csv"
-    if not path.is_file():
+    """Each measured row of the calibration (its kernel tables) against the bundled cluster's
+    kernel figures and the calibrated cluster's (`row_errors`); per kind and group (`_group`), the
+    rows, the median measured rate, its median and best fraction of the bundled peak (GEMM,
+    attention: the datasheet FLOP/s of the precision; memory: HBM bandwidth) and the median
+    signed and absolute errors per cluster. Host figures (host.csv) beside the bundled and the
+    calibrated cluster's."""
+    folder = _tables_folder(check.work / "calibrated.yaml")
+    if not folder.is_dir():
         return {"status": "no measurements"}
-    bundled = check.show_cluster(check.summary.get("bundled_cluster", check.mode.bundled_default))
-    calibrated = check.show_cluster(check.work / "calibrated.yaml") if (check.work / "calibrated.yaml").is_file() else None
-    points = []
-    with path.open(newline="") as handle:
-        for row in csv.DictReader(handle):
-            kind, precision = row["kind"], row["precision"]
-            median = float(row["median_s"])
-            flops, nbytes = float(row["flops"]), float(row["bytes"])
-            point: dict[str, Any] = {"kind": kind, "precision": precision, "shape": row["shape"], "median_s": median}
-            if kind in ("gemm", "grouped_gemm", "sdpa") and flops > 0 and median > 0:
-                point.update(size=flops, rate=flops / median)
-                for label, spec in (("bundled", bundled), ("calibrated", calibrated)):
-                    peak = ((spec or {}).get("accelerator") or {}).get("peak_flops_per_s", {}).get(precision)
-                    curve = _curve(spec, "accelerator", "compute_efficiency", precision)
-                    value = _at(curve, flops)
-                    point[f"{label}_rate"] = peak * value if peak and value is not None else None
-                    if label == "bundled" and peak:
-                        point["efficiency_measured"] = flops / median / peak
-                        point["efficiency_bundled"] = value
-            elif kind in ("mem_copy", "mem_add") and nbytes > 0 and median > 0:
-                point.update(size=nbytes, rate=nbytes / median)
-                for label, spec in (("bundled", bundled), ("calibrated", calibrated)):
-                    bandwidth = ((spec or {}).get("accelerator") or {}).get("hbm_bandwidth_bytes_per_s")
-                    value = _at(_curve(spec, "accelerator", "memory_efficiency"), nbytes)
-                    point[f"{label}_rate"] = bandwidth * value if bandwidth and value is not None else None
-                    if label == "bundled" and bandwidth:
-                        point["efficiency_measured"] = nbytes / median / bandwidth
-                        point["efficiency_bundled"] = value
-            elif kind == "launch":
-                point.update(bundled_s=((bundled or {}).get("accelerator") or {}).get("launch_latency_s"))
-            else:
-                continue
+    from calibration.tables import read_folder
+    from perfmodel.clusters import load_cluster
+    from perfmodel.errors import InputError
+
+    measured = read_folder(folder)
+    bundled_name = check.summary.get("bundled_cluster", check.mode.bundled_default)
+    clusters = {"bundled": load_cluster(bundled_name)}
+    if (check.work / "calibrated.yaml").is_file():
+        clusters["calibrated"] = load_cluster(str(check.work / "calibrated.yaml"))
+    tables = {kind: measured.rows(kind) for kind in KERNEL_UNITS}
+    tables["ep_dispatch"] = measured.rows("ep_dispatch")  # table_errors reads every kind; calibrate times none
+    errors = {label: row_errors(cluster, tables, measured.accelerator) for label, cluster in clusters.items()}
+    bundled_acc = clusters["bundled"].accelerator
+    points: list[dict[str, Any]] = []
+    excluded: dict[str, int] = {}
+    for kind, (column, scale, unit) in KERNEL_UNITS.items():
+        every = tables[kind].rows_of(measured.accelerator, used_only=False)
+        rows = tables[kind].rows_of(measured.accelerator)
+        if len(every) > len(rows):
+            excluded[kind] = len(every) - len(rows)
+        for i in range(len(rows)):
+            rate = float(rows[column][i]) * scale
+            point: dict[str, Any] = {"kind": kind, "group": _group(kind, rows, i), "shape": _shape(kind, rows, i),
+                                     "line": int(rows.line[i]), "measured": rate, "unit": unit}
+            if kind in ("gemm", "grouped_gemm", "attention"):
+                try:
+                    point["fraction_of_peak"] = rate / bundled_acc.peak(point["group"])
+                except InputError:  # a precision the bundled datasheet has no peak for
+                    point["fraction_of_peak"] = None
+            elif kind == "memory_kernels":
+                point["fraction_of_peak"] = rate / bundled_acc.hbm_bandwidth_bytes_per_s
+            for label in clusters:
+                error = errors[label][kind][i]
+                point[f"error_{label}"] = error
+                point[f"predicted_{label}"] = rate * (1.0 + error) if error is not None else None
             points.append(point)
-    groups: dict[str, Any] = {}
-    for point in points:
-        key = f"{point['kind']} {point['precision']}"
-        groups.setdefault(key, []).append(point)
-    table = {}
-    for key, group in groups.items():
-        if group[0]["kind"] == "launch":
-            table[key] = {"points": len(group), "measured_s": group[0]["median_s"], "bundled_s": group[0].get("bundled_s")}
-            continue
-        measured = [p["efficiency_measured"] for p in group if p.get("efficiency_measured") is not None]
-        ratios = [p["efficiency_measured"] / p["efficiency_bundled"] for p in group
-                  if p.get("efficiency_measured") is not None and p.get("efficiency_bundled")]
-        table[key] = {"points": len(group), "median_efficiency_measured": _median(measured),
-                      "max_efficiency_measured": max(measured) if measured else None,
-                      "median_measured_over_bundled": _median(ratios)}
-    return {"status": "ok", "bundled": check.summary.get("bundled_cluster"), "table": table, "points": points,
-            "bundled_curves_readable": _curve(bundled, "accelerator", "memory_efficiency") is not None}
+    table: dict[str, Any] = {}
+    for key in dict.fromkeys(f"{p['kind']} {p['group']}" for p in points):
+        group = [p for p in points if f"{p['kind']} {p['group']}" == key]
+        fractions = [p["fraction_of_peak"] for p in group if p.get("fraction_of_peak") is not None]
+        row: dict[str, Any] = {"rows": len(group), "unit": group[0]["unit"],
+                               "median_measured": _median([p["measured"] for p in group]),
+                               "median_fraction_of_peak": _median(fractions),
+                               "max_fraction_of_peak": max(fractions) if fractions else None}
+        for label in clusters:
+            scored = [p[f"error_{label}"] for p in group if p[f"error_{label}"] is not None]
+            row.update({f"scored_{label}": len(scored), f"median_error_{label}": _median(scored),
+                        f"median_abs_error_{label}": _median([abs(e) for e in scored])})
+        table[key] = row
+    host = {}
+    for figure, value in measured.host.items():
+        host[figure] = {"measured_s": value.seconds, "noise": value.noise,
+                        **{f"{label}_s": getattr(cluster.accelerator, figure, None) for label, cluster in clusters.items()}}
+    return {"status": "ok", "bundled": bundled_name, "accelerator": measured.accelerator,
+            "tables": str(folder.relative_to(check.work)), "clusters": list(clusters), "table": table,
+            "excluded_rows": excluded, "host": host, "points": points}
 
 
 def _median(values: list[float]) -> Optional[float]:
@@ -869,34 +961,42 @@ def _plot_step_times(summary: dict[str, Any], path: Path) -> None:
 
 
 def _plot_kernels(kernels: dict[str, Any], path: Path, device: str) -> None:
+    """One panel per kind: each measured row's rate against the rate the bundled (o) and the
+    calibrated (x) cluster's figures give it, coloured by group; y = x and ±10%."""
     plt = _pyplot()
     points = kernels.get("points") or []
-    compute = sorted({p["precision"] for p in points if p["kind"] in ("gemm", "grouped_gemm", "sdpa") and p.get("rate")})
-    panels = [("compute", precision) for precision in compute] + [("memory", "fp32")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.0), squeeze=False)
-    for ax, (family, precision) in zip(axes[0], panels):
-        kinds = ("gemm", "grouped_gemm", "sdpa") if family == "compute" else ("mem_copy", "mem_add")
-        scale = 1e12 if family == "compute" else 1e9
-        shown = []
-        for kind, marker in zip(kinds, "os^"):
-            group = sorted((p for p in points if p["kind"] == kind and p["precision"] == precision and p.get("rate")),
-                           key=lambda p: p["size"])
-            if not group:
-                continue
-            shown += group
-            ax.loglog([p["size"] for p in group], [p["rate"] / scale for p in group], marker, alpha=0.8,
-                      label=f"{kind} measured")
-        for label, style in (("bundled", "-"), ("calibrated", "--")):
-            line = sorted((p for p in shown if p.get(f"{label}_rate") and p["kind"] in ("gemm", "mem_copy")),
-                          key=lambda p: p["size"])
-            if line:
-                ax.loglog([p["size"] for p in line], [p[f"{label}_rate"] / scale for p in line], style,
-                          label=f"{label} figure")
-        ax.set_xlabel("FLOPs per call" if family == "compute" else "bytes moved per call")
-        ax.set_ylabel("TFLOP/s" if family == "compute" else "GB/s")
-        ax.set_title(f"{device} {family} {precision if family == 'compute' else ''}".strip(), fontsize=9)
-        if shown:
-            ax.legend(fontsize=7)
+    kinds = [k for k in KERNEL_UNITS if any(p["kind"] == k and (p.get("predicted_bundled") or p.get("predicted_calibrated"))
+                                            for p in points)]
+    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(4.4 * max(1, len(kinds)), 4.2), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, kind in zip(axes[0], kinds):
+        _, scale, unit = KERNEL_UNITS[kind]
+        group = [p for p in points if p["kind"] == kind]
+        names = list(dict.fromkeys(p["group"] for p in group))
+        values = []
+        for j, name in enumerate(names):
+            colour = colours[j % len(colours)]
+            for label, marker in (("bundled", "o"), ("calibrated", "x")):
+                shown = [p for p in group if p["group"] == name and p.get(f"predicted_{label}")]
+                if not shown:
+                    continue
+                xs = [p["measured"] / scale for p in shown]
+                ys = [p[f"predicted_{label}"] / scale for p in shown]
+                values += xs + ys
+                ax.scatter(xs, ys, marker=marker, s=18, alpha=0.75, label=f"{name} {label}",
+                           **({"facecolors": "none", "edgecolors": colour} if marker == "o" else {"color": colour}))
+        if values:
+            lo, hi = min(values) * 0.8, max(values) * 1.25
+            ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+            ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="grey", alpha=0.15, label="±10%")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.legend(fontsize=6)
+        ax.set_xlabel(f"measured ({unit})")
+        ax.set_ylabel(f"from the cluster's figures ({unit})")
+        left_out = (kernels.get("excluded_rows") or {}).get(kind)
+        ax.set_title(f"{device} {kind}: {len(group)} rows" + (f" ({left_out} excluded)" if left_out else ""), fontsize=9)
+    fig.tight_layout()
     _save(fig, path)
 
 
@@ -938,21 +1038,33 @@ def markdown_tables(summary: dict[str, Any]) -> str:
     def pct(value: Optional[float]) -> str:
         return "-" if value is None else f"{value:+.1%}"
 
-    table = (summary.get("kernels") or {}).get("table") or {}
-    lines += ["| kernel | points | median efficiency measured | best | measured / bundled figure (median) |",
-              "|---|---|---|---|---|"]
-    for key, row in table.items():
-        if "measured_s" in row:
-            bundled_s = row.get("bundled_s")
-            lines.append(f"| {key} | {row['points']} | {row['measured_s'] * 1e6:.2f} us per launch | - | "
-                         + (f"{row['measured_s'] / bundled_s:.2f} (bundled {bundled_s * 1e6:.1f} us) |" if bundled_s else "- |"))
-            continue
-        def fmt(v: Optional[float]) -> str:
-            return "-" if v is None else f"{v:.1%}"
+    kernels = summary.get("kernels") or {}
+    lines += [f"Kernel rows of `{kernels.get('tables', '-')}` against the figures of the bundled cluster and of the "
+              "calibrated one (`perfmodel.kernels.check`; error = predicted / measured - 1: its median, and "
+              "the median of its absolute value):", "",
+              "| kernel | rows | median measured | fraction of peak: median, best | bundled cluster | calibrated cluster |",
+              "|---|---|---|---|---|---|"]
 
-        ratio = row.get("median_measured_over_bundled")
-        lines.append(f"| {key} | {row['points']} | {fmt(row.get('median_efficiency_measured'))} | "
-                     f"{fmt(row.get('max_efficiency_measured'))} | {'-' if ratio is None else f'{ratio:.2f}'} |")
+    def share(v: Optional[float]) -> str:
+        return "-" if v is None else f"{v:.1%}"
+
+    def err(row: dict[str, Any], label: str) -> str:
+        median, absolute = row.get(f"median_error_{label}"), row.get(f"median_abs_error_{label}")
+        if median is None:
+            return "-"
+        return f"{median:+.1%} (abs {absolute:.1%}, {row[f'scored_{label}']} rows)"
+
+    for key, row in (kernels.get("table") or {}).items():
+        scale = 1e12 if row["unit"].startswith("TFLOP") else 1e9
+        lines.append(f"| {key} | {row['rows']} | {row['median_measured'] / scale:.4g} {row['unit']} | "
+                     f"{share(row.get('median_fraction_of_peak'))}, {share(row.get('max_fraction_of_peak'))} | "
+                     f"{err(row, 'bundled')} | {err(row, 'calibrated')} |")
+    for figure, row in (kernels.get("host") or {}).items():
+        def us(v: Optional[float]) -> str:
+            return "-" if v is None else f"{v * 1e6:.3g} us"
+
+        lines.append(f"| host {figure} | 1 | {us(row['measured_s'])} | - | {us(row.get('bundled_s'))} | "
+                     f"{us(row.get('calibrated_s'))} |")
     lines += ["", "| configuration | layout | steps used | step time (s) | tokens/s | MFU | peak memory (GiB) |",
               "|---|---|---|---|---|---|---|"]
     layouts = {c["name"]: c["layout"] for c in summary.get("configs") or []}
@@ -1001,7 +1113,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="overall deadline in seconds (400; dry run 300)")
     parser.add_argument("--configs", default=None, help="comma-separated configuration names (default: all)")
     parser.add_argument("--calibrated", type=Path, default=None,
-                        help="reuse this calibrated cluster (a first run's calibrated.yaml) instead of calibrating")
+                        help="reuse this calibrated cluster (a first run's calibrated.yaml) instead of calibrating; "
+                             "the kernel tables beside it (calibrated.kernels.tar.gz or the folder) are read too")
     args = parser.parse_args(argv)
     mode = DRY if args.dry_run else GPU
     steps = args.steps if args.steps is not None else mode.steps

@@ -4,7 +4,7 @@ and of the scalar reference `perfmodel.reference.evaluate_one` on 10^3, and thei
 Two mixes of candidates on the bundled h100 cluster with 1024 devices: "random", every
 candidate a new random MoE or dense geometry (layers, width, heads, experts, top-k,
 granularity, shared experts, dense first layers, sequence length) with a random layout (tp, pp,
-vpp, ep, cp, dp flavour, mbs, recompute, precision), the worst case; and "grid", the planner's
+vpp, ep, cp, dp flavour, mbs, recompute, precision, overlap switches), the worst case; and "grid", the planner's
 shape, ~1000 geometries each crossed with the same ~1000 layouts (evaluate then prices each
 distinct per-layer operator table once). About 70% of the candidates are valid. The process is pinned to one core
 (numpy's elementwise kernels are single-threaded anyway). Timing: one warm-up pass, then the
@@ -84,6 +84,8 @@ def candidates(n: int, devices: int, seed: int = 0) -> tuple[ArchBatch, LayoutBa
         tp=tp, pp=pp, vpp=np.where(pp > 1, pick([1, 2]), 1), ep=np.where(moe, pick([1, 4, 8, 16, 64]), 1),
         etp=np.ones(n, dtype=np.int64), cp=cp, dp=dp, dp_flavor=pick([0, 1, 2]), mbs=mbs, gbs=mbs * dp * pick([1, 4, 16]),
         recompute=pick([0, 1, 2]), sequence_parallel=tp > 1, precision=pick([1, 1, 3]),
+        overlap_grad_reduce=rng.random(n) < 0.5, overlap_param_gather=rng.random(n) < 0.5,
+        tp_comm_overlap=(tp > 1) & (rng.random(n) < 0.5), ep_comm_overlap=rng.random(n) < 0.5,
     )
     return archs, layouts
 

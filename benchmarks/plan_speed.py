@@ -1,14 +1,18 @@
-"""Speed of the planner: the default `mosaic plan`, and MINLP vs enumeration on reduced spaces.
+"""Speed of the planner: the default `mosaic plan`, and MINLP vs enumeration on the default spaces.
 
   1. Wall time of the whole default command (`mosaic plan --cluster NAME --json`, a fresh
-     process: imports, search, output) on ascend_superpod (768 dies) and on a 32-node B200
-     cluster (256 GPUs), and candidates/s of its search. Target: under 10 s on the 2-core
-     test machine.
-  2. MINLP (SCIP via pyscipopt; Bonmin / MindtPy when present) vs enumeration on three reduced
-     spaces: time of each and agreement of the optimum (relative difference of the loss).
+     process: imports, search, decision under uncertainty, output) on ascend_superpod (768
+     dies) and on a 32-node B200 cluster (256 GPUs), with what the search considered (geometry
+     x layout candidates of the space), pruned (overlap rules and dominance, the loss bound, then
+     validity, memory, recompute dominance and the compute bound) and evaluated (timed by
+     perfmodel.evaluate). Target: under 10 s on the 2-core test machine.
+  2. MINLP (SCIP via pyscipopt; Bonmin / MindtPy when present) vs enumeration on the default
+     space of every bundled cluster (20 days, the cluster's devices) and of b200 x16 for 2 days:
+     time of each (the MINLP's data, build and solve apart), status, gap, and agreement of the
+     optimum (relative difference of the loss, same geometry).
 
 Prints the figures and writes plan_speed.json and plan_speed.png (to --out, default
-benchmarks/results/). Run: python benchmarks/plan_speed.py [--repeat 3] [--fit fit.yaml]
+benchmarks/results/). Run: python benchmarks/plan_speed.py [--repeat 3] [--fit fit.yaml] [--clusters a,b]
 """
 
 from __future__ import annotations
@@ -23,11 +27,6 @@ from pathlib import Path
 
 TARGET_S = 10.0
 CLUSTERS = (("ascend_superpod", None), ("b200", 256))
-REDUCED = (
-    ("h100 x64, 5 days", "h100", 64, 5.0, {}),
-    ("ascend x128, 20 days", "ascend_superpod", 128, 20.0, {"n_shared_experts": (0, 1)}),
-    ("b200 x256, 10 days", "b200", 256, 10.0, {"d_model": (2048, 4096, 6144), "n_experts": (0, 16, 64, 128)}),
-)
 
 
 def cli_wall_time(cluster: str, devices: int | None, fit: str | None) -> tuple[float, dict]:
@@ -44,25 +43,18 @@ def cli_wall_time(cluster: str, devices: int | None, fit: str | None) -> tuple[f
     return wall, json.loads(out.stdout)
 
 
-def reduced_space(geometry: dict):
-    from mosaic.planner.space import load_space
-
-    geo = dict(d_model=(2048, 4096), n_layers=(16, 32), n_experts=(0, 16, 64), top_k=(1, 2), granularity=(1.0, 4.0),
-               n_shared_experts=(0,), active_params=(1e8, 1e12))
-    geo.update(geometry)
-    return load_space().replace_geometry(**geo).replace_layout(tp=(1, 2), pp=(1, 2), vpp=(1,), ep=(1, 8, 16), mbs=(1,))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--fit", default=None)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--clusters", default=None, help="Comma-separated bundled clusters for part 2 (default: all).")
     args = ap.parse_args()
 
     from mosaic.planner import build_problem
     from mosaic.planner.enumerate import rank_cluster_optimal
-    from mosaic.planner.minlp import cluster_model, pair_table, solve_model, solver_available
+    from mosaic.planner.minlp import SOLVERS, solve_cluster_optimal, solve_compute_optimal, solver_available
+    from perfmodel.clusters import bundled_cluster_paths
 
     report: dict = {"target_s": TARGET_S, "cpus": os.cpu_count(), "default_plan": [], "minlp": []}
     print(f"default `mosaic plan` (fresh process, best of {args.repeat}); target < {TARGET_S:.0f} s")
@@ -72,40 +64,51 @@ def main() -> None:
         payload = min(runs, key=lambda r: r[0])[1]  # the figures of the fastest run
         s = payload["search"]
         row = {"cluster": cluster, "devices": payload["budget"]["devices"], "wall_s": min(walls), "walls_s": walls,
-               "search_s": s["seconds"], "candidates": s.get("candidates"), "candidates_per_s": s.get("candidates_per_s"),
-               "geometries": s["geometries"], "timed_geometries": s.get("evaluated_geometries"),
-               "layouts_per_geometry": s["layouts_per_geometry"], "under_target": min(walls) < TARGET_S,
-               "loss": payload["predicted"]["loss"]}
+               "search_s": s["seconds"], "considered": s["candidates_in_space"], "built": s["candidates"],
+               "evaluated": s["timed"], "pruned": s["candidates_in_space"] - (s["timed"] or 0),
+               "pruned_overlap": s["pruned_overlap_dominance"], "pruned_loss_bound": s["pruned_loss_bound"],
+               "pruned_after_building": s["pruned_after_building"], "geometries": s["geometries"],
+               "searched_geometries": s["evaluated_geometries"], "under_target": min(walls) < TARGET_S,
+               "loss": payload["predicted"]["loss"], "indistinguishable": payload["decision"].get("indistinguishable")}
         report["default_plan"].append(row)
         print(f"  {cluster:16s} {row['devices']:5d} devices: wall {row['wall_s']:.2f} s (ratio to target "
-              f"{row['wall_s'] / TARGET_S:.2f}), search {row['search_s']:.2f} s, {row['candidates']:,} candidates "
-              f"at {row['candidates_per_s']:,.0f}/s, {row['timed_geometries']}/{row['geometries']} geometries timed")
+              f"{row['wall_s'] / TARGET_S:.2f}), search {row['search_s']:.2f} s; candidates considered "
+              f"{row['considered']:,}, pruned {row['pruned']:,} (overlap {row['pruned_overlap']:,}, loss bound "
+              f"{row['pruned_loss_bound']:,}, after building {row['pruned_after_building']:,}), evaluated "
+              f"{row['evaluated']:,}; {row['searched_geometries']}/{row['geometries']} geometries searched")
 
-    print("MINLP vs enumeration on reduced spaces")
-    for label, cluster, devices, days, geometry in REDUCED:
-        problem = build_problem(cluster, devices=devices, days=days, fit=args.fit, space=reduced_space(geometry))
+    print("MINLP vs enumeration on the default spaces (20 days; b200 x16 for 2 days)")
+    names = args.clusters.split(",") if args.clusters else sorted(bundled_cluster_paths())
+    cases = [(name, None, 20.0) for name in names] + ([("b200", 16, 2.0)] if not args.clusters else [])
+    for cluster, devices, days in cases:
+        reference = build_problem(cluster, devices=devices, days=days, fit=args.fit)
         t0 = time.perf_counter()
-        ranked = rank_cluster_optimal(problem, top=1)
+        ranked = rank_cluster_optimal(reference, top=1)
         t_enum = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        table = pair_table(problem)
-        model, _ = cluster_model(problem, table)
-        t_build = time.perf_counter() - t0
-        for solver in ("scip", "bonmin", "mindtpy"):
+        for solver in SOLVERS:
             ok, why = solver_available(solver)
             if not ok:
-                print(f"  {label:22s} {solver:8s} skipped: {why}")
+                print(f"  {cluster:16s} {solver:8s} skipped: {why}")
                 continue
-            sol = solve_model(model, solver)
-            rel = abs(sol.objective - ranked.loss[0]) / abs(ranked.loss[0])
-            same = int(table.geometry[sol.choice]) == int(ranked.index[0])
-            row = {"space": label, "solver": solver, "geometries": len(problem.geoms), "pairs": len(table),
-                   "enumerate_s": t_enum, "build_s": t_build, "solve_s": sol.seconds, "status": sol.status,
-                   "gap": sol.gap, "rel_diff": rel, "same_geometry": same}
+            problem = build_problem(cluster, devices=devices, days=days, fit=args.fit)
+            t0 = time.perf_counter()
+            got, rep = solve_cluster_optimal(problem, solver)
+            t_minlp = time.perf_counter() - t0
+            g, csol = solve_compute_optimal(problem, solver)
+            rel = abs(rep["objective"] - ranked.loss[0]) / abs(ranked.loss[0])
+            same = int(got.index[0]) == int(ranked.index[0])
+            row = {"cluster": cluster, "devices": problem.budget.devices, "days": days, "solver": solver,
+                   "geometries": len(problem.geoms), "geometries_in_model": rep["geometries_in_model"],
+                   "enumerate_s": t_enum, "minlp_s": t_minlp, "data_s": rep["data_seconds"], "build_s": rep["build_seconds"],
+                   "solve_s": rep["solver_seconds"], "status": rep["status"], "gap": rep["gap"], "rel_diff": rel,
+                   "same_geometry": same, "compute_status": csol.status, "compute_gap": csol.gap,
+                   "compute_solve_s": csol.seconds}
             report["minlp"].append(row)
-            print(f"  {label:22s} {solver:8s} {len(problem.geoms)} geometries, {len(table)} pairs: enumerate "
-                  f"{t_enum:.3f} s, MINLP build {t_build:.3f} s + solve {sol.seconds:.3f} s ({sol.status}, gap {sol.gap}); "
-                  f"loss rel. diff {rel:.1e}, same geometry: {same}")
+            print(f"  {cluster:16s} {solver:8s} {problem.budget.devices:5d} devices, {len(problem.geoms):,} geometries, "
+                  f"{rep['geometries_in_model']} in the model: enumerate {t_enum:.2f} s, MINLP {t_minlp:.2f} s (data "
+                  f"{rep['data_seconds']:.2f}, build {rep['build_seconds']:.2f}, solve {rep['solver_seconds']:.2f}; "
+                  f"{rep['status']}, gap {rep['gap']}); loss rel. diff {rel:.1e}, same geometry: {same}; "
+                  f"compute-optimal MINLP {csol.status} in {csol.seconds:.2f} s over {len(problem.geoms):,} geometries")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,11 +126,11 @@ def main() -> None:
     axes[0].legend()
     m = report["minlp"]
     if m:
-        labels = [f"{r['space']}\n{r['solver']}" for r in m]
+        labels = [f"{r['cluster']}\n{r['devices']}" for r in m]
         x = range(len(m))
         axes[1].bar([i - 0.2 for i in x], [r["enumerate_s"] for r in m], 0.4, label="enumerate")
-        axes[1].bar([i + 0.2 for i in x], [r["build_s"] + r["solve_s"] for r in m], 0.4, label="MINLP (build + solve)")
-        axes[1].set_xticks(list(x), labels, fontsize=7)
+        axes[1].bar([i + 0.2 for i in x], [r["minlp_s"] for r in m], 0.4, label="MINLP (data + build + solve)")
+        axes[1].set_xticks(list(x), labels, fontsize=6, rotation=60)
         axes[1].set_ylabel("seconds")
         axes[1].legend()
     fig.tight_layout()

@@ -175,9 +175,11 @@ def group_specs(world: int, local: int, level_names: list[str], level_devices: l
 
 
 def plan_size(world: int, local: int, quick: bool, device_type: str) -> int:
-    """Number of points rank 0 will record (for the progress bar)."""
+    """Number of points rank 0 will record (for the progress bar): on cpu each point twice, back to
+    back and after a compute gap (CPU_GAP_BLOCKS)."""
     groups = group_specs(world, local, ["a", "b"], [local, world])
-    return len(groups) * len(COLLECTIVE_KINDS) * len(message_sizes(device_type, quick))
+    variants = 2 if device_type == "cpu" else 1
+    return len(groups) * len(COLLECTIVE_KINDS) * len(message_sizes(device_type, quick)) * variants
 
 
 # --------------------------------------------------------------------------- worker

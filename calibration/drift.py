@@ -7,9 +7,10 @@ to fold later measurements into the calibrated cluster file, each writing a new 
   optionally a 2-rank gloo all-reduce, `collective_probe`, ~5 s) taken between the runs. With
   m_k = mean over the probes of figure k and c_k its calibrated value:
   launch_latency_s = m_launch, dtensor_op_latency_s = m_dtensor; the checkpoint costs (Python
-  and autograd work, like an eager op) x m_launch / c_launch; the fp32 efficiency curve
-  x r_gemm = m_gemm / (peak_fp32 x eff_fp32(2 n^3)), capped at 1; with collective probes every
-  level's latency_s and sync_latency_s x `collective_latency_ratio`. Means, not medians: the
+  and autograd work, like an eager op) x m_launch / c_launch; the fp32 compute figures (the e_max
+  of the fp32 GEMM, grouped GEMM and attention: one core's arithmetic) x r_gemm = m_gemm /
+  (peak_fp32 x eff_fp32(n, n, n)), capped at 1; with collective probes every
+  level's latency_s, sync_latency_s and per-collective latencies x `collective_latency_ratio`. Means, not medians: the
   measured step time is a mean (`calibration.from_runs.measured_step_time_s`) and a step's
   host time is linear in its per-op cost, so the mean step over states that come and go is
   priced by the mean per-op cost over them.
@@ -104,6 +105,17 @@ def collective_latency_ratio(cluster: Any, probe_s: float) -> float:
     return max(ratio, BOUNDS["collective_latency_scale"][0])
 
 
+def calibrated_gemm_flops_per_s(cluster: Any) -> float:
+    """FLOP/s the cluster's fp32 GEMM figure gives the probe's square GEMM of PROBE_GEMM_SIZE:
+    peak_fp32 x e_max s(n) s(n) s(n) (`perfmodel.kernels.forms.gemm_efficiency`)."""
+    from perfmodel.kernels.forms import gemm_efficiency
+
+    acc = cluster.accelerator
+    g = acc.kernels.gemm[acc.kernels.precision("gemm", "fp32")]
+    n = PROBE_GEMM_SIZE
+    return acc.peak("fp32") * float(gemm_efficiency(n, n, n, g.e_max, g.m_half, g.n_half, g.k_half))
+
+
 def interleaved_cluster(calibrated: Path, probes: Sequence[HostProbe], out: Path,
                         collective_probes_s: Sequence[float] = ()) -> Path:
     """Write to `out` the cluster `calibrated` (a file or bundled name) with its host-bound
@@ -134,22 +146,30 @@ def interleaved_cluster(calibrated: Path, probes: Sequence[HostProbe], out: Path
     for key in ("checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s"):
         acc[key] = float(f"{getattr(accelerator, key) * host_ratio:.4g}")
         sources[key] = f"calibrated figure x {host_ratio:.3f}, the per-op cost's drift ({basis})"
-    flops = 2.0 * PROBE_GEMM_SIZE ** 3
-    calibrated_flops_per_s = accelerator.peak("fp32") * float(accelerator.compute_curve("fp32")(flops))
-    gemm_ratio = mean_gemm_flops_per_s / calibrated_flops_per_s
-    curve = acc["compute_efficiency"].get("fp32")
-    if curve is not None:  # the curve the probe measured (a base file without one keeps what it has)
-        curve["values"] = [float(f"{min(1.0, v * gemm_ratio):.4g}") for v in curve["values"]]
-        curve["source"] = (f"{curve.get('source', '')}; scaled x {gemm_ratio:.3f}, a cold {PROBE_GEMM_SIZE}^3 GEMM's "
-                           f"drift ({basis})")
+    gemm_ratio = mean_gemm_flops_per_s / calibrated_gemm_flops_per_s(base)
+    kernels = acc["kernels"]
+    if "fp32" in kernels["gemm"]:  # the figures the probe measured (a base without fp32 keeps what it has)
+        note = f"; scaled x {gemm_ratio:.3f}, a cold {PROBE_GEMM_SIZE}^3 fp32 GEMM's drift ({basis})"
+        records = [kernels["gemm"]["fp32"], *kernels["grouped_gemm"].get("fp32", {}).values()]
+        records += [kernels["attention"]["fp32"]] if "fp32" in kernels["attention"] else []
+        for record in records:
+            for key in ("e_max", "fwd_e_max", "bwd_e_max"):
+                if key in record:
+                    record[key] = float(f"{min(1.0, float(record[key]) * gemm_ratio):.4g}")
+            record["source"] = f"{record.get('source', '')}{note}"
     if collective_probes_s:
         ratio = collective_latency_ratio(base, float(np.mean(collective_probes_s)))
         note = (f"; x {ratio:.3f}, a {PROBE_COLLECTIVE_BYTES}-byte 2-rank all-reduce's drift (mean of "
                 f"{len(collective_probes_s)} collective probes, calibration.drift.collective_probe)")
+        from calibration.from_runs import PER_COLLECTIVE_LATENCIES
+
         for level in data["levels"]:
             for key in ("latency_s", "sync_latency_s"):
                 if level.get(key) is not None:
                     level[key] = float(f"{float(level[key]) * ratio:.4g}")
+            for key in PER_COLLECTIVE_LATENCIES:
+                if level.get(key):
+                    level[key] = {c: float(f"{float(v) * ratio:.4g}") for c, v in level[key].items()}
             level["source"] = f"{level.get('source', '')}{note}"
     write_yaml_atomic(out, data)
     return out
@@ -158,8 +178,9 @@ def interleaved_cluster(calibrated: Path, probes: Sequence[HostProbe], out: Path
 def geometric_mean_figures(first: Any, second: Any) -> Any:
     """Two calibrations of one machine merged figure by figure: sqrt(a b) of two positive
     numbers ((a + b) / 2 otherwise), 4 significant digits; lists element by element, mappings key
-    by key; a curve whose `sizes` differ, text and flags are kept from `first`."""
-    if isinstance(first, bool) or isinstance(second, bool):
+    by key; a curve whose `sizes` differ, text, flags and counts (integers: rows, devices) are
+    kept from `first`."""
+    if isinstance(first, bool) or isinstance(second, bool) or (isinstance(first, int) and isinstance(second, int)):
         return first
     if isinstance(first, (int, float)) and isinstance(second, (int, float)):
         if first == second:
@@ -194,5 +215,6 @@ def bracketed_cluster(before: Path, after: Path, out: Path) -> Path:
     return out
 
 
-__all__ = ["PROBE_COLLECTIVE_BYTES", "PROBE_GEMM_SIZE", "HostProbe", "bracketed_cluster", "collective_latency_ratio",
+__all__ = ["PROBE_COLLECTIVE_BYTES", "PROBE_GEMM_SIZE", "HostProbe", "bracketed_cluster", "calibrated_gemm_flops_per_s",
+           "collective_latency_ratio",
            "collective_probe", "drift_probe", "geometric_mean_figures", "interleaved_cluster"]

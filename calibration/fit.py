@@ -1,14 +1,15 @@
-"""Fitters: measurements -> efficiency curves, alpha-beta figures, fabric-level figures (numpy/scipy).
+"""Fitters: alpha-beta figures of the collectives, and the ceilings a calibration's peaks come from.
 
-- `fit_alpha_beta`: t(S) = alpha + S / algbw_peak for one (collective, level),
+- `fit_collectives`: t(S) = alpha + S / algbw_peak for one (collective, level),
   fitted by robust least squares (soft-L1 loss on relative residuals, so one
   slow repeat-median does not drag the line) with standard errors from the
   Jacobian, and R^2 of log time (the scale of the relative residuals; the R^2
   of the raw times, dominated by the one or two largest messages, is kept
   beside it). Bus bandwidth follows nccl-tests.
-- `fit_efficiency_curve`: achieved fraction of peak vs problem size, the median
-  efficiency of each half-decade of sizes, as the cluster file's
-  `EfficiencyCurve` (piecewise linear in log size).
+- `gemm_ceilings`, `memory_ceiling`: the asymptotic rate of the kernel forms over one
+  accelerator's rows (`perfmodel.kernels.fit`, the fit the cluster is then built with): what a
+  machine without a datasheet figure (a CPU core) takes as its peak, so that its e_max is 1 and
+  every other figure is a fraction of what its largest kernels reach.
 """
 
 from __future__ import annotations
@@ -21,12 +22,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from calibration.collectives import bus_factor
-from calibration.measurements import Measurement
-from perfmodel.specs.cluster import EfficiencyCurve
-
-BINS_PER_DECADE = 2
-MIN_EFFICIENCY = 1e-4
-"""Floor for a fitted efficiency (EfficiencyCurve needs values > 0)."""
+from perfmodel.kernels.tables import KernelTable
 
 
 @dataclass(frozen=True)
@@ -94,94 +90,87 @@ def fit_alpha_beta_arrays(nbytes: Sequence[float], times_s: Sequence[float]) -> 
     return float(alpha), float(beta), alpha_se, beta_se, r_squared(np.log(t), np.log(alpha + beta * S))
 
 
-def fit_alpha_beta(rows: Sequence[Measurement]) -> AlphaBetaFit:
-    """Fit one (collective, level) from its measurements (one row per message size)."""
-    kinds = {(r.kind, r.level, r.ranks) for r in rows}
-    assert len(kinds) == 1, f"rows mix collectives/levels: {kinds}"
-    collective, level, ranks = kinds.pop()
-    sizes, times = [r.bytes for r in rows], [r.median_s for r in rows]
-    alpha, beta, alpha_se, beta_se, r2 = fit_alpha_beta_arrays(sizes, times)
-    r2_linear = r_squared(times, alpha + beta * np.asarray(sizes))
-    return AlphaBetaFit(collective=collective, level=level, ranks=ranks, alpha_s=alpha, algbw_bytes_per_s=1.0 / beta,
-                        alpha_se_s=alpha_se, beta_rel_se=beta_se / beta, r2=r2, points=len(rows), r2_linear=r2_linear)
+COLLECTIVE_OF_TABLE = {"send_recv": "p2p"}
+"""The table's collective names -> perfmodel.comm's."""
 
 
-def fit_collectives(rows: Sequence[Measurement]) -> list[AlphaBetaFit]:
-    """One alpha-beta fit per (collective, level, ranks) that has two or more sizes (rows of one
-    timing variant: see calibration.collectives.AFTER_COMPUTE)."""
-    groups: dict[tuple[str, str, int], list[Measurement]] = {}
-    for row in rows:
-        groups.setdefault((row.kind, row.level, row.ranks), []).append(row)
-    return [fit_alpha_beta(sorted(g, key=lambda r: r.bytes)) for _, g in sorted(groups.items()) if len(g) >= 2]
+def fit_collectives(table: KernelTable, timing: str = "back_to_back") -> list[AlphaBetaFit]:
+    """One alpha-beta fit per (collective, level, ranks) with two or more sizes, from the rows of
+    one timing variant (`timing` column: back_to_back, or after_compute: see
+    calibration.collectives.AFTER_COMPUTE)."""
+    if not len(table) or "level" not in table.columns:
+        return []
+    groups: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
+    for name, level, ranks, size, time_us, kind in zip(table["collective"], table["level"], table["ranks"],
+                                                       table["size_bytes"], table["time_us"], table["timing"]):
+        if kind != timing:
+            continue
+        key = (COLLECTIVE_OF_TABLE.get(str(name), str(name)), str(level), int(ranks))
+        groups.setdefault(key, []).append((float(size), float(time_us) * 1e-6))
+    fits = []
+    for (collective, level, ranks), points in sorted(groups.items()):
+        if len(points) < 2:
+            continue
+        sizes, times = (np.asarray(v) for v in zip(*sorted(points)))
+        alpha, beta, alpha_se, beta_se, r2 = fit_alpha_beta_arrays(sizes, times)
+        fits.append(AlphaBetaFit(collective=collective, level=level, ranks=ranks, alpha_s=alpha, algbw_bytes_per_s=1.0 / beta,
+                                 alpha_se_s=alpha_se, beta_rel_se=beta_se / beta, r2=r2, points=len(points),
+                                 r2_linear=r_squared(times, alpha + beta * sizes)))
+    return fits
 
 
-# --------------------------------------------------------------------------- efficiency curves
+# --------------------------------------------------------------------------- ceilings
 
-@dataclass(frozen=True)
-class CurveFit:
-    curve: EfficiencyCurve
-    peak: float
-    """FLOP/s or bytes/s that the efficiencies are fractions of."""
-    median_abs_error: float
-    """Median |predicted - measured| / measured time, each point predicted by a fit without it."""
-    max_abs_error: float
-    points: int
+CEILING_START = 4.0
+"""The first trial peak is this multiple of the best measured rate; it grows by the same factor
+until the fitted e_max leaves its bound of 1. The result does not depend on it: with e_max free,
+rate = peak x e_max x s(m) s(n) s(k) is invariant under the trial peak."""
+CEILING_FREE = 0.9
+"""e_max below this is off its bound of 1 (the fit is unconstrained there)."""
 
 
-def binned_curve(sizes: Sequence[float], efficiencies: Sequence[float], source: str,
-                 bins_per_decade: int = BINS_PER_DECADE) -> EfficiencyCurve:
-    """Median efficiency per 1/bins_per_decade decade of size, at the bin's geometric-mean size."""
-    x = np.log10(np.asarray(sizes, float))
-    e = np.asarray(efficiencies, float)
-    bins = np.floor(x * bins_per_decade).astype(int)
-    out_sizes, out_values = [], []
-    for b in np.unique(bins):
-        mask = bins == b
-        out_sizes.append(float(10 ** np.mean(x[mask])))
-        out_values.append(float(np.clip(np.median(e[mask]), MIN_EFFICIENCY, 1.0)))
-    return EfficiencyCurve(sizes=tuple(out_sizes), values=tuple(out_values), source=source)
+def gemm_ceilings(table: KernelTable, accelerator: str, hbm_bytes_per_s: float,
+                  copy_fraction: float) -> dict[str, float]:
+    """Per precision: e_max x peak of the GEMM form fitted to `accelerator`'s dense rows of that
+    precision (halves of its own, as `perfmodel.kernels.build` fits a calibrated accelerator), with
+    the peak free [FLOP/s]."""
+    from perfmodel.kernels.fit import fit_gemm_family, gemm_entries, used_rows
+
+    rows = table.rows_of(accelerator)
+    out: dict[str, float] = {}
+    for precision in sorted(set(str(p) for p in rows["precision"])):
+        mine = rows.select(rows["precision"] == precision)
+        best = float(np.nanmax(mine["tflops"])) * 1e12
+        peak = CEILING_START * best
+        for _ in range(12):
+            peaks = {(accelerator, precision): peak}
+            entries, measured = gemm_entries(mine, peaks, {accelerator: hbm_bytes_per_s}, {accelerator: copy_fraction},
+                                             grouped=False)
+            _, fits = fit_gemm_family(entries, measured, mine["source"][used_rows(mine, peaks, False)])
+            e_max = fits[(accelerator, precision)].params["e_max"]
+            if e_max < CEILING_FREE:
+                break
+            peak *= CEILING_START
+        out[precision] = e_max * peak
+    return out
 
 
-def fit_efficiency_curve(sizes: Sequence[float], times_s: Sequence[float], peak: float | None,
-                         source: str) -> CurveFit:
-    """Efficiency curve from measured (size, time); `peak` None = the best measured rate (cpu)."""
-    size = np.asarray(sizes, float)
-    t = np.asarray(times_s, float)
-    rate = size / t
-    top = float(np.max(rate)) if peak is None else float(peak)
-    curve = binned_curve(size, rate / top, source)
-    errors = leave_one_out_errors(size, t, top) if size.size >= 3 else np.zeros(1)
-    return CurveFit(curve=curve, peak=top, median_abs_error=float(np.median(errors)),
-                    max_abs_error=float(np.max(errors)), points=int(size.size))
+def memory_ceiling(table: KernelTable, accelerator: str) -> float:
+    """fraction[copy] x bandwidth of the memory form fitted to `accelerator`'s rows with the
+    bandwidth free (the best class's where no copy was measured) [bytes/s]."""
+    from perfmodel.kernels.fit import fit_memory
+
+    rows = table.rows_of(accelerator)
+    rows = rows.select(np.isfinite(rows["gbps"]))
+    best = float(np.max(rows["gbps"])) * 1e9
+    bandwidth = CEILING_START * best
+    for _ in range(12):
+        fits, _ = fit_memory(rows, bandwidth)
+        fraction = fits["copy"].params["fraction"] if "copy" in fits else max(r.params["fraction"] for r in fits.values())
+        if fraction < CEILING_FREE:
+            break
+        bandwidth *= CEILING_START
+    return fraction * bandwidth
 
 
-def leave_one_out_errors(size: np.ndarray, t: np.ndarray, peak: float) -> np.ndarray:
-    """|predicted - measured| / measured time of each point from a curve fitted without it.
-
-    The honest figure for shapes that were not measured (in-sample, a bin
-    holding one point would be predicted exactly).
-    """
-    errors = np.empty(size.size)
-    for i in range(size.size):
-        keep = np.arange(size.size) != i
-        curve = binned_curve(size[keep], size[keep] / t[keep] / peak, "")
-        errors[i] = abs(size[i] / (peak * float(curve(size[i]))) - t[i]) / t[i]
-    return errors
-
-
-def predict_time_s(curve: EfficiencyCurve, peak: float, size: float) -> float:
-    """Time of one kernel of `size` (FLOPs or bytes) from a calibrated curve and peak."""
-    return float(size / (peak * curve(size)))
-
-
-def relative_efficiency(rows: Sequence[Measurement], curve: EfficiencyCurve, peak: float) -> dict[str, float]:
-    """Achieved rate of `rows` (grouped GEMM, attention) over the dense-GEMM prediction at equal FLOPs."""
-    ratios = np.array([r.rate / (peak * float(curve(r.flops))) for r in rows])
-    return {"median": round(float(np.median(ratios)), 4), "min": round(float(np.min(ratios)), 4),
-            "max": round(float(np.max(ratios)), 4), "points": int(ratios.size)}
-
-
-__all__ = [
-    "AlphaBetaFit", "CurveFit", "binned_curve", "fit_alpha_beta", "fit_alpha_beta_arrays", "fit_collectives",
-    "fit_efficiency_curve", "predict_time_s", "r_squared", "relative_efficiency",
-]
+__all__ = ["AlphaBetaFit", "fit_alpha_beta_arrays", "fit_collectives", "gemm_ceilings", "memory_ceiling", "r_squared"]

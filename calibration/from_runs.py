@@ -10,9 +10,12 @@ time over a logging interval), so what published throughput figures mean.
 `measured_step_time_s` says why not the median. Predictions come from
 `perfmodel.evaluate` on the given cluster with four correction factors:
 
-  efficiency_scale   multiplies the compute and memory efficiency curves (clipped to 1)
+  efficiency_scale   multiplies every fitted kernel figure: each GEMM, grouped GEMM and
+                     attention e_max (clipped to 1) and each memory-bound class's fraction of
+                     the memory bandwidth (clipped to 1.5, `perfmodel.specs.kernels`)
   launch_latency_s   host dispatch time per kernel
-  collective_latency_scale  multiplies every fabric level's latencies (per step and per call):
+  collective_latency_scale  multiplies every fabric level's latencies (per step, per collective
+                     and per call):
                      what a synchronous job pays per collective beyond its bytes
   overlap            fraction of EP and DP communication that hides behind compute
   straggler_cv       per-node step-time variation (only visible across nodes)
@@ -49,9 +52,10 @@ from scipy.optimize import least_squares
 from perfmodel.clusters import load_cluster, resolve_cluster_path
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import ArchBatch, MoEArchitecture
-from perfmodel.specs.cluster import ClusterSpec, EfficiencyCurve
+from perfmodel.specs.cluster import ClusterSpec
+from perfmodel.specs.kernels import KernelFigures
 from perfmodel.specs.layout import LayoutBatch, ParallelLayout
-from perfmodel.specs.strict import read_yaml, section_from_mapping, spec_from_dict, write_text_atomic
+from perfmodel.specs.strict import read_yaml, section_from_mapping, spec_from_dict, to_mapping, write_text_atomic
 
 FACTORS = ("efficiency_scale", "launch_latency_s", "collective_latency_scale", "overlap", "straggler_cv")
 BOUNDS = {"efficiency_scale": (1e-3, 5.0), "launch_latency_s": (0.0, 2e-3), "collective_latency_scale": (0.1, 10.0),
@@ -166,27 +170,46 @@ def discover_runs(runs: Path) -> list[Run]:
     return [load_run(f) for f in folders]
 
 
+PER_COLLECTIVE_LATENCIES = ("collective_latency_s", "ll_collective_latency_s")
+"""A fabric level's step latencies per collective (and of its low-latency protocol), scaled with
+its latency_s by collective_latency_scale."""
+E_MAX_FIELDS = ("e_max", "fwd_e_max", "bwd_e_max")
+"""The fields of a kernel figure that efficiency_scale multiplies (clipped to 1)."""
+MAX_MEMORY_FRACTION = 1.5
+"""A memory class's fraction is clipped here when scaled (the bound `perfmodel.specs.kernels` checks)."""
+
+
+def scaled_kernels(kernels: KernelFigures, scale: float) -> KernelFigures:
+    """Every e_max (E_MAX_FIELDS) x `scale`, clipped to 1, and every memory fraction x `scale`,
+    clipped to MAX_MEMORY_FRACTION; halves and provenance unchanged."""
+    def figure(record: Any) -> Any:
+        return dataclasses.replace(record, **{f: min(1.0, getattr(record, f) * scale)
+                                              for f in E_MAX_FIELDS if hasattr(record, f)})
+
+    return dataclasses.replace(
+        kernels, gemm={p: figure(g) for p, g in kernels.gemm.items()},
+        grouped_gemm={p: dataclasses.replace(g, fwd=figure(g.fwd), dgrad=figure(g.dgrad), wgrad=figure(g.wgrad))
+                      for p, g in kernels.grouped_gemm.items()},
+        attention={p: figure(a) for p, a in kernels.attention.items()},
+        memory=dataclasses.replace(kernels.memory, fraction={c: min(MAX_MEMORY_FRACTION, f * scale)
+                                                             for c, f in kernels.memory.fraction.items()}))
+
+
 def apply_factors(cluster: ClusterSpec, factors: dict[str, float]) -> ClusterSpec:
     """The cluster with the given correction factors applied (others unchanged)."""
     acc = cluster.accelerator
     changes: dict[str, Any] = {}
     if "efficiency_scale" in factors:
-        s = factors["efficiency_scale"]
-
-        def scaled(curve: EfficiencyCurve) -> EfficiencyCurve:
-            values = tuple(float(np.clip(v * s, 1e-4, 1.0)) for v in curve.values)
-            return dataclasses.replace(curve, values=values)
-
-        acc = dataclasses.replace(acc, compute_efficiency={k: scaled(c) for k, c in acc.compute_efficiency.items()},
-                                  memory_efficiency=scaled(acc.memory_efficiency))
+        acc = dataclasses.replace(acc, kernels=scaled_kernels(acc.kernels, factors["efficiency_scale"]))
     if "launch_latency_s" in factors:
         acc = dataclasses.replace(acc, launch_latency_s=factors["launch_latency_s"])
     changes["accelerator"] = acc
     if "collective_latency_scale" in factors:
         s_lat = factors["collective_latency_scale"]
-        changes["levels"] = tuple(dataclasses.replace(level, latency_s=level.latency_s * s_lat,
-                                                      sync_latency_s=level.sync_latency_s * s_lat)
-                                  for level in cluster.levels)
+        changes["levels"] = tuple(dataclasses.replace(
+            level, latency_s=level.latency_s * s_lat, sync_latency_s=level.sync_latency_s * s_lat,
+            **{key: {c: v * s_lat for c, v in getattr(level, key).items()} for key in PER_COLLECTIVE_LATENCIES})
+            for level in cluster.levels)
     if "overlap" in factors:
         changes["overlap"] = dataclasses.replace(cluster.overlap, ep=factors["overlap"], dp=factors["overlap"])
     if "straggler_cv" in factors:
@@ -358,9 +381,16 @@ def _write(cluster: str, factors: dict[str, float], names: list[str], section: d
     stamp = f"fitted by mosaic calibrate --from-runs ({section['runs']} runs, {section['date']}), see calibration.from_runs"
     if "efficiency_scale" in names:
         s = factors["efficiency_scale"]
-        for curve in [*acc["compute_efficiency"].values(), acc["memory_efficiency"]]:
-            curve["values"] = [float(f"{min(1.0, max(1e-4, float(v) * s)):.4g}") for v in curve["values"]]
-            curve["source"] = f"{curve.get('source', '')}; scaled by {s:.4g} {stamp}".lstrip("; ")
+        scaled = to_mapping(scaled_kernels(load_cluster(str(path)).accelerator.kernels, s))
+        note = f"; scaled x {s:.4g} ({stamp})"
+        for record in _figure_records(scaled):
+            for key in (*E_MAX_FIELDS, "fraction"):
+                if key in record and isinstance(record[key], dict):
+                    record[key] = {c: float(f"{v:.4g}") for c, v in record[key].items()}
+                elif key in record:
+                    record[key] = float(f"{record[key]:.4g}")
+            record["source"] = f"{record.get('source', '')}{note}"
+        acc["kernels"] = scaled
     if "launch_latency_s" in names:
         acc["launch_latency_s"] = float(f"{factors['launch_latency_s']:.4g}")
         acc.setdefault("sources", {})["launch_latency_s"] = stamp
@@ -370,6 +400,9 @@ def _write(cluster: str, factors: dict[str, float], names: list[str], section: d
             level["latency_s"] = float(f"{float(level['latency_s']) * s_lat:.4g}")
             if "sync_latency_s" in level:
                 level["sync_latency_s"] = float(f"{float(level['sync_latency_s']) * s_lat:.4g}")
+            for key in PER_COLLECTIVE_LATENCIES:
+                if level.get(key):
+                    level[key] = {c: float(f"{float(v) * s_lat:.4g}") for c, v in level[key].items()}
             level["source"] = f"{level.get('source', '')}; latency scaled by {s_lat:.4g} {stamp}".lstrip("; ")
     if "overlap" in names:
         overlap = data.setdefault("overlap", {})
@@ -388,6 +421,14 @@ def _write(cluster: str, factors: dict[str, float], names: list[str], section: d
     return data
 
 
+def _figure_records(kernels: dict[str, Any]) -> list[dict[str, Any]]:
+    """The figure records of a kernels mapping (each has a source)."""
+    out = [*kernels["gemm"].values(), *kernels["attention"].values(), kernels["memory"]]
+    for phases in kernels["grouped_gemm"].values():
+        out += list(phases.values())
+    return out
+
+
 def _layout_text(layout: ParallelLayout) -> str:
     return ",".join(f"{k}={getattr(layout, k)}" for k in ("tp", "pp", "ep", "dp", "dp_flavor", "mbs", "gbs", "precision"))
 
@@ -396,5 +437,5 @@ def _sig(value: float) -> float:
     return float(f"{float(value):.5g}")
 
 
-__all__ = ["FACTORS", "PRIOR_LOG_SD", "FromRunsResult", "Run", "apply_factors", "discover_runs", "fit_factors", "identifiable", "initial_factors",
+__all__ = ["FACTORS", "PRIOR_LOG_SD", "FromRunsResult", "Run", "apply_factors", "scaled_kernels", "discover_runs", "fit_factors", "identifiable", "initial_factors",
            "load_run", "predict", "prior_sd", "refit_from_runs", "warm_up_steps"]

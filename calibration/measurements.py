@@ -19,8 +19,35 @@ from calibration.stats import TimingStats
 from perfmodel.errors import InputError
 from perfmodel.specs.strict import write_text_atomic
 
-KERNEL_KINDS = ("gemm", "grouped_gemm", "sdpa", "mem_copy", "mem_add", "launch", "dtensor_op", "checkpoint_region",
-                "checkpoint_saved_tensor")
+KERNEL_KINDS = ("gemm", "grouped_gemm", "sdpa", "mem_copy", "mem_add", "mem_rmsnorm", "mem_swiglu", "mem_permute",
+                "mem_cross_entropy", "mem_adamw", "launch", "dtensor_op", "checkpoint_region", "checkpoint_saved_tensor")
+HOST_KINDS = ("launch", "dtensor_op", "checkpoint_region", "checkpoint_saved_tensor")
+"""Kernel kinds that measure host time (seconds per op, region or tensor), not a kernel's rate."""
+
+
+@dataclass(frozen=True)
+class MemoryKernel:
+    """A memory-bound kernel class as timed: the table's kernel name and the bytes it moves per
+    byte of its main tensor (reads + writes, perfmodel's convention for the class)."""
+
+    kernel: str
+    bytes_per_byte: float
+    convention: str
+
+
+MEMORY_KERNELS = {
+    "mem_copy": MemoryKernel("copy", 2.0, "read x, write y"),
+    "mem_add": MemoryKernel("add", 3.0, "read a and b, write c"),
+    "mem_rmsnorm": MemoryKernel("rmsnorm", 2.0, "read x, write y (weight negligible)"),
+    "mem_swiglu": MemoryKernel("swiglu", 3.0, "silu(a) * b: read a and b, write the product (the three "
+                                              "tensors perfmodel counts for SwiGLU)"),
+    "mem_permute": MemoryKernel("permute", 2.0, "index_select of rows by a permutation: read x, write y"),
+    "mem_cross_entropy": MemoryKernel("cross_entropy", 3.0, "forward over fp32 logits: read them, write and "
+                                                            "re-read fp32 (perfmodel: (b + 8) bytes per logit, b = 4)"),
+    "mem_adamw": MemoryKernel("adamw", 7.0, "AdamW step on fp32 parameters: read p, grad, m, v, write p, m, v"),
+}
+"""Point kind -> the kernel it times (`perfmodel.kernels.fit.MEMORY_KERNEL_CLASS` names its class)."""
+
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
@@ -29,7 +56,7 @@ class Measurement:
     """One benchmark point: what ran, its size, and its timing summary."""
 
     kind: str
-    """gemm, grouped_gemm, sdpa, mem_copy, mem_add, launch, or a collective name."""
+    """One of KERNEL_KINDS or COLLECTIVE_KINDS."""
     device: str
     """cpu, cuda or npu."""
     precision: str
@@ -56,6 +83,9 @@ class Measurement:
     """Implementation used (grouped_mm / bmm / for_loop; gloo / nccl / hccl)."""
     busbw_bytes_per_s: float = 0.0
     """Bus bandwidth as nccl-tests reports it (collectives only)."""
+    phase: str = ""
+    """grouped_gemm: fwd, dgrad or wgrad; sdpa: fwd or bwd; "fixed": a memory kernel's fixed-cost
+    point (calibration.kernels.FIXED_COST_BYTES); else empty."""
 
     @property
     def rate(self) -> float:
@@ -141,4 +171,4 @@ def _default(name: str) -> Optional[object]:
     return None if field.default is dataclasses.MISSING else field.default
 
 
-__all__ = ["COLLECTIVE_KINDS", "FIELDS", "KERNEL_KINDS", "Measurement", "read_csv", "to_csv_text", "write_csv"]
+__all__ = ["COLLECTIVE_KINDS", "FIELDS", "HOST_KINDS", "KERNEL_KINDS", "Measurement", "read_csv", "to_csv_text", "write_csv"]

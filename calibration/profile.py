@@ -1,164 +1,63 @@
-"""Turn measurements into a calibrated cluster file: base cluster + measured figures + `calibration:`.
+"""The calibrated cluster file: a datasheet + the measured tables, built as a bundled cluster is.
 
-The calibrated YAML is the base cluster's own mapping with the measured fields
-replaced (so anything not measured keeps its datasheet figure and source) and
-a plain `calibration:` mapping recording provenance and fit quality. It is
-validated by the strict loader before it is written, and the raw measurements
-go to a CSV beside it (`<stem>.measurements.csv`), so every figure can be
-recomputed. `mosaic predict/plan --cluster calibrated.yaml` use it unchanged.
+`calibrated_mapping(base, measured)`:
+
+1. Datasheet: the base cluster file (bundled or the user's) without its fitted kernel figures
+   (`accelerator.kernels`, `perfmodel.kernels.build.GENERATED_ACCELERATOR_KEYS`), renamed
+   `<base>_calibrated`. Its accelerator gets what this machine measured beyond the tables: on
+   cpu the peaks (of the precisions measured; the others keep the base's) and memory bandwidth
+   are the kernel forms' fitted ceilings
+   (`calibration.fit.gemm_ceilings`, `memory_ceiling`: a CPU core has no datasheet figure);
+   on cuda/npu the datasheet figures stay (every efficiency is measured / datasheet peak)
+   unless a ceiling exceeds them. The host figures (launch latency, DTensor op, checkpointed
+   region and saved tensor) come from host.csv. A fabric level measured over gloo gets its
+   figures from the alpha-beta fits of its collectives (`level_figures`); one measured over
+   NCCL/HCCL loses its fitted figures, which the build then fits to the rows; a level not
+   measured keeps the base's figures (their `collective_fit` says so).
+2. Tables: the bundled tables (`perfmodel/data/kernels`) without any row of the measured
+   accelerator, plus the measured tables (its rows win: they are the only rows of an
+   accelerator that is a generation of its own, `perfmodel.kernels.build.MeasuredAccelerator`).
+3. `perfmodel.kernels.build.build_cluster` on them: the fit of the bundled clusters, so what
+   this machine did not measure is derived from the base's accelerator by the same stated rules.
+4. A `calibration:` section: provenance, base cluster, tables folder, fit quality, the
+   alpha-beta fits.
+
+The result is validated by the strict loader before it is written (`write_calibrated`).
+`mosaic predict/plan --cluster calibrated.yaml` use it unchanged.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
-import platform
-import socket
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import yaml
 
-from calibration.collectives import AFTER_COMPUTE
-from calibration.fit import (
-    AlphaBetaFit,
-    CurveFit,
-    fit_collectives,
-    fit_efficiency_curve,
-    relative_efficiency,
-)
-from calibration.measurements import COLLECTIVE_KINDS, Measurement, write_csv
+from calibration.fit import AlphaBetaFit, fit_collectives, gemm_ceilings, memory_ceiling
+from calibration.tables import MeasuredTables, noise_summary
 from perfmodel.clusters import resolve_cluster_path
 from perfmodel.errors import InputError
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.strict import plain, read_yaml, spec_from_dict, write_text_atomic
 
 MIN_FRACTION = 1e-4
-
-
-@dataclass
-class Provenance:
-    """Where and how the measurements were taken."""
-
-    device: str
-    device_name: str
-    ranks: int
-    torch_version: str
-    driver: str
-    threads_per_rank: Optional[int]
-    quick: bool
-    date: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    host: str = field(default_factory=socket.gethostname)
-    notes: dict[str, str] = field(default_factory=dict)
-    """Skipped precisions, grouped-GEMM fallback, collective failures."""
-    load_average: Optional[list[float]] = None
-    """1-minute host load average before and after measuring (other jobs disturb timings)."""
-
-    def mapping(self) -> dict[str, Any]:
-        return {
-            "date": self.date, "host": self.host, "platform": platform.platform(), "device": self.device,
-            "device_name": self.device_name, "ranks": self.ranks, "torch_version": self.torch_version,
-            "driver": self.driver, "threads_per_rank": self.threads_per_rank, "quick": self.quick,
-            "load_average_1min": self.load_average, "host_cpus": _cpus(), "notes": dict(self.notes),
-        }
-
-
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+GENERATED_HEADER = ("# Written by `mosaic calibrate`: the datasheet of {base} with this machine's measurements\n"
+                    "# ({tables}/, the kernel-table format of perfmodel/data/kernels) fitted by\n"
+                    "# perfmodel.kernels.build.build_cluster, as the bundled clusters are.\n")
 
 
 def load_average() -> Optional[float]:
-    import os
-
     try:
         return round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):
         return None
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """Everything fitted from one set of measurements."""
-
-    compute: dict[str, CurveFit]
-    memory: Optional[CurveFit]
-    launch_latency_s: Optional[float]
-    launch_noise: Optional[float]
-    dtensor_op_latency_s: Optional[float]
-    checkpoint_region_latency_s: Optional[float]
-    checkpoint_saved_tensor_latency_s: Optional[float]
-    collectives: list[AlphaBetaFit]
-    collectives_after_compute: list[AlphaBetaFit]
-    """The same collectives timed after an eager compute gap (cpu; empty elsewhere)."""
-    grouped_gemm: Optional[dict[str, Any]]
-    attention: Optional[dict[str, Any]]
-    noise_median: float
-    noise_p90: float
-
-
-def _median_of(rows: Sequence[Measurement], kind: str) -> Optional[float]:
-    values = [r.median_s for r in rows if r.kind == kind]
-    return float(np.median(values)) if values else None
-
-
-def fit_all(rows: Sequence[Measurement], peaks: Optional[dict[str, float]] = None,
-            hbm_bytes_per_s: Optional[float] = None) -> Calibration:
-    """Fit every figure the rows allow; `peaks`/`hbm_bytes_per_s` None = use the best measured (cpu)."""
-    compute: dict[str, CurveFit] = {}
-    for precision in sorted({r.precision for r in rows if r.kind == "gemm"}):
-        gemm = [r for r in rows if r.kind == "gemm" and r.precision == precision]
-        datasheet = (peaks or {}).get(precision)
-        best = max(r.rate for r in gemm)
-        peak = None if datasheet is None or best > datasheet else datasheet
-        compute[precision] = fit_efficiency_curve([r.flops for r in gemm], [r.median_s for r in gemm], peak,
-                                                  source="")
-    memory_rows = [r for r in rows if r.kind in ("mem_copy", "mem_add")]
-    memory = None
-    if memory_rows:
-        best = max(r.rate for r in memory_rows)
-        peak = None if hbm_bytes_per_s is None or best > hbm_bytes_per_s else hbm_bytes_per_s
-        memory = fit_efficiency_curve([r.bytes for r in memory_rows], [r.median_s for r in memory_rows], peak, source="")
-    launch = [r for r in rows if r.kind == "launch"]
-    dtensor = [r for r in rows if r.kind == "dtensor_op"]
-    grouped = [r for r in rows if r.kind == "grouped_gemm"]
-    attention = [r for r in rows if r.kind == "sdpa"]
-
-    def versus_dense(subset: list[Measurement]) -> Optional[dict[str, Any]]:
-        if not subset or subset[0].precision not in compute:
-            return None
-        fit = compute[subset[0].precision]
-        out: dict[str, Any] = {"precision": subset[0].precision,
-                               "efficiency_vs_dense_gemm": relative_efficiency(subset, fit.curve, fit.peak)}
-        impls = sorted({r.impl for r in subset if r.impl})
-        if impls:
-            out["impl"] = ",".join(impls)
-        return out
-
-    noises = np.array([r.noise for r in rows]) if rows else np.zeros(1)
-    return Calibration(
-        compute=compute, memory=memory,
-        launch_latency_s=float(np.median([r.median_s for r in launch])) if launch else None,
-        launch_noise=float(np.median([r.noise for r in launch])) if launch else None,
-        dtensor_op_latency_s=float(np.median([r.median_s for r in dtensor])) if dtensor else None,
-        checkpoint_region_latency_s=_median_of(rows, "checkpoint_region"),
-        checkpoint_saved_tensor_latency_s=_median_of(rows, "checkpoint_saved_tensor"),
-        collectives=fit_collectives([r for r in rows if r.kind in COLLECTIVE_KINDS and not r.impl.endswith(AFTER_COMPUTE)]),
-        collectives_after_compute=fit_collectives([r for r in rows if r.kind in COLLECTIVE_KINDS
-                                                   and r.impl.endswith(AFTER_COMPUTE)]),
-        grouped_gemm=versus_dense(grouped), attention=versus_dense(attention),
-        noise_median=float(np.median(noises)), noise_p90=float(np.percentile(noises, 90)),
-    )
-
-
-def _curve_mapping(fit: CurveFit, source: str) -> dict[str, Any]:
-    return {"sizes": [float(f"{s:.6g}") for s in fit.curve.sizes],
-            "values": [float(f"{max(v, MIN_FRACTION):.4g}") for v in fit.curve.values], "source": source}
-
+# --------------------------------------------------------------------------- fabric levels
 
 def latency_steps(collective: str, ranks: int) -> float:
     """Latency steps perfmodel.comm charges one collective on one level (see level_figures)."""
@@ -211,133 +110,206 @@ def level_figures(fits: Sequence[AlphaBetaFit], datasheet_bw: Optional[float],
     return out
 
 
-def calibrated_mapping(base: str, rows: Sequence[Measurement], provenance: Provenance, csv_name: str) -> dict[str, Any]:
-    """The base cluster's YAML mapping with measured figures and a `calibration:` section."""
-    path = resolve_cluster_path(base)
-    data = copy.deepcopy(read_yaml(path))
-    base_spec = spec_from_dict(ClusterSpec, data, source=str(path))
-    acc = data["accelerator"]
-    cpu = provenance.device == "cpu"
-    stamp = f"mosaic calibrate {provenance.date} on {provenance.host} ({provenance.device_name}), see calibration:"
-    cal = fit_all(rows, peaks=None if cpu else dict(base_spec.accelerator.peak_flops_per_s),
-                  hbm_bytes_per_s=None if cpu else base_spec.accelerator.hbm_bandwidth_bytes_per_s)
-    sources = dict(acc.get("sources", {}))
-    section: dict[str, Any] = {"provenance": provenance.mapping(), "base_cluster": {
-        "name": base_spec.name, "file": path.name, "content_hash": base_spec.content_hash()},
-        "measurements_csv": csv_name, "noise": {"median_iqr_over_median": round(cal.noise_median, 4),
-                                                 "p90_iqr_over_median": round(cal.noise_p90, 4)}}
+def _fit_mapping(fits: Sequence[AlphaBetaFit]) -> list[dict[str, Any]]:
+    return [{"collective": f.collective, "level": f.level, "ranks": f.ranks, "alpha_s": float(f"{f.alpha_s:.4g}"),
+             "alpha_se_s": float(f"{f.alpha_se_s:.3g}"), "algbw_bytes_per_s": float(f"{f.algbw_bytes_per_s:.4g}"),
+             "busbw_bytes_per_s": float(f"{f.busbw_bytes_per_s:.4g}"), "beta_rel_se": round(f.beta_rel_se, 4),
+             "r2": round(f.r2, 4), "r2_linear": round(f.r2_linear, 4), "points": f.points} for f in fits]
 
-    if cal.compute:
-        peaks = {} if cpu else dict(acc["peak_flops_per_s"])
-        curves = {} if cpu else dict(acc.get("compute_efficiency", {}))
+
+def _calibrate_levels(levels: list[dict[str, Any]], measured: MeasuredTables, cpu: bool, stamp: str,
+                      section: dict[str, Any]) -> None:
+    """Set each level's figures from its measured collectives (module doc, step 1), in place."""
+    from perfmodel.kernels.build import GENERATED_LEVEL_KEYS
+
+    table = measured.rows("collectives")
+    fits = fit_collectives(table)
+    after = fit_collectives(table, "after_compute")
+    names = [level["name"] for level in levels]
+    measured_levels = sorted({str(v) for v in table["level"]}) if len(table) and "level" in table.columns else []
+    for name in measured_levels:
+        if name not in names:
+            raise InputError(f"measured level '{name}' is not a level of the base cluster ({', '.join(names)}); "
+                             "calibrate against the cluster the job ran on")
+    for level in levels:
+        mine = [f for f in fits if f.level == level["name"]]
+        rows = table.select(table["level"] == level["name"]) if level["name"] in measured_levels else None
+        if rows is None or not len(rows):
+            fit = level.get("collective_fit")
+            if isinstance(fit, dict):
+                note = "not measured by this calibration: the base cluster's figures"
+                fit["derived"] = f"{fit['derived']}; {note}" if fit.get("derived") else note
+            continue
+        if bool(np.all(rows["algorithm"] == "gloo")):
+            if not mine:  # no size series to fit: the base's figures stay
+                continue
+            figures = level_figures(mine, None if cpu else float(level["bandwidth_bytes_per_s"]),
+                                    [f for f in after if f.level == level["name"]])
+            bandwidth_from = figures.pop("bandwidth_from")
+            old_source = level.get("source", "")
+            for key in GENERATED_LEVEL_KEYS:
+                level.pop(key, None)
+            level.update(figures)
+            level["source"] = (f"measured: {stamp}; alpha-beta fits of {', '.join(sorted(f.collective for f in mine))} "
+                               f"over {mine[0].ranks} ranks (gloo); bandwidth {bandwidth_from}"
+                               + (f"; datasheet was: {old_source}" if old_source and not cpu else ""))
+        else:  # NCCL / HCCL rows: the build fits this level to them, as a bundled cluster's
+            for key in GENERATED_LEVEL_KEYS:
+                level.pop(key, None)
+    if fits:
+        section["collectives"] = _fit_mapping(fits)
+        section["levels_calibrated"] = measured_levels
+    if after:
+        section["collectives_after_compute"] = [{
+            "collective": f.collective, "level": f.level, "ranks": f.ranks, "alpha_s": float(f"{f.alpha_s:.4g}"),
+            "alpha_se_s": float(f"{f.alpha_se_s:.3g}"), "r2": round(f.r2, 4)} for f in after]
+
+
+# --------------------------------------------------------------------------- the accelerator
+
+def _calibrate_accelerator(acc: dict[str, Any], measured: MeasuredTables, cpu: bool, stamp: str,
+                           section: dict[str, Any]) -> None:
+    """Peaks, memory bandwidth and host figures of the datasheet accelerator (module doc), in place."""
+    name = measured.accelerator
+    sources = dict(acc.get("sources", {}))
+    memory = measured.rows("memory_kernels").rows_of(name)
+    if len(memory) and np.any(np.isfinite(memory["gbps"])):
+        ceiling = memory_ceiling(memory, name)
+        datasheet = float(acc["hbm_bandwidth_bytes_per_s"])
+        if cpu or ceiling > datasheet:
+            acc["hbm_bandwidth_bytes_per_s"] = float(f"{ceiling:.6g}")
+            sources["hbm_bandwidth_bytes_per_s"] = (
+                f"measured: the fitted copy ceiling of the memory-bound kernel rows ({stamp})"
+                + ("" if cpu else f"; above the datasheet's {datasheet:.4g}: {sources.get('hbm_bandwidth_bytes_per_s', '')}"))
+        section["memory"] = {"bandwidth_bytes_per_s": float(acc["hbm_bandwidth_bytes_per_s"]),
+                             "ceiling_bytes_per_s": float(f"{ceiling:.6g}"),
+                             "from": "measured" if cpu or ceiling > datasheet else "datasheet"}
+    gemm = measured.rows("gemm").rows_of(name)
+    if len(gemm):
+        hbm = float(acc["hbm_bandwidth_bytes_per_s"])
+        copy_fraction = 1.0 if cpu or "memory" not in section else min(1.0, section["memory"]["ceiling_bytes_per_s"] / hbm)
+        ceilings = gemm_ceilings(gemm, name, hbm, copy_fraction)
+        peaks = {k: float(v) for k, v in acc["peak_flops_per_s"].items()}  # a precision not measured keeps the base's
         quality = {}
-        for precision, fit in cal.compute.items():
-            measured_peak = fit.peak if cpu or fit.peak != base_spec.accelerator.peak_flops_per_s.get(precision) else None
-            if measured_peak is not None:
-                peaks[precision] = float(f"{fit.peak:.6g}")
-            note = ("peak = best measured GEMM rate on one rank" + (" (one thread = one core)" if cpu else
-                    " (above the datasheet figure)") if measured_peak is not None else "fraction of the datasheet peak")
-            curves[precision] = _curve_mapping(fit, f"{stamp}; {fit.points} GEMM shapes, median per half decade; {note}")
-            quality[precision] = {"peak_flops_per_s": float(f"{fit.peak:.6g}"), "peak_from": "measured" if measured_peak else "datasheet",
-                                  "points": fit.points, "loo_time_median_abs_error": round(fit.median_abs_error, 4),
-                                  "loo_time_max_abs_error": round(fit.max_abs_error, 4)}
+        for precision, ceiling in ceilings.items():
+            datasheet = peaks.get(precision)
+            measured_peak = cpu or datasheet is None or ceiling > datasheet
+            if measured_peak:
+                peaks[precision] = float(f"{ceiling:.6g}")
+            quality[precision] = {"peak_flops_per_s": peaks[precision], "ceiling_flops_per_s": float(f"{ceiling:.6g}"),
+                                  "peak_from": "measured" if measured_peak else "datasheet"}
         acc["peak_flops_per_s"] = peaks
-        acc["compute_efficiency"] = curves
         if any(q["peak_from"] == "measured" for q in quality.values()):
-            sources["peak_flops_per_s"] = f"measured: {stamp}" + (
-                "" if cpu else f"; datasheet was: {sources.get('peak_flops_per_s', '')}")
+            sources["peak_flops_per_s"] = (
+                f"measured: the GEMM form's fitted ceiling (e_max x peak with the peak free) over this machine's GEMM rows "
+                f"({stamp})" + (" (one thread = one core)" if cpu else
+                                f"; above the datasheet figure, which was: {sources.get('peak_flops_per_s', '')}"))
         section["compute"] = quality
-    if cal.memory is not None:
-        fit = cal.memory
-        acc["memory_efficiency"] = _curve_mapping(fit, f"{stamp}; copy and add streams, median per half decade")
-        if cpu or fit.peak != base_spec.accelerator.hbm_bandwidth_bytes_per_s:
-            acc["hbm_bandwidth_bytes_per_s"] = float(f"{fit.peak:.6g}")
-            sources["hbm_bandwidth_bytes_per_s"] = f"measured (best copy/add stream on one rank): {stamp}"
-        section["memory"] = {"peak_bytes_per_s": float(f"{fit.peak:.6g}"), "points": fit.points,
-                             "loo_time_median_abs_error": round(fit.median_abs_error, 4)}
-    if cal.launch_latency_s is not None:
-        acc["launch_latency_s"] = float(f"{cal.launch_latency_s:.4g}")
-        what = ("an eager op with autograd: RMSNorm + SwiGLU blocks forward + backward per dispatched op, "
-                "calibration.eager_ops" if cpu else "host dispatch of a 1-element add")
-        sources["launch_latency_s"] = f"measured (median {what}, {provenance.device}): {stamp}"
-        section["launch"] = {"latency_s": float(f"{cal.launch_latency_s:.4g}"), "noise": round(cal.launch_noise or 0.0, 4)}
-    if cal.dtensor_op_latency_s is not None:
-        acc["dtensor_op_latency_s"] = float(f"{cal.dtensor_op_latency_s:.4g}")
-        sources["dtensor_op_latency_s"] = ("measured (median host time a DTensor op adds: RMSNorm + SwiGLU blocks with "
-                                           "column-/row-wise tensor-parallel linears on a fake 2-rank mesh against the "
-                                           f"same blocks on one device, calibration.eager_ops, {provenance.device}): {stamp}")
-        section["dtensor_op"] = {"latency_s": float(f"{cal.dtensor_op_latency_s:.4g}")}
-    if cal.checkpoint_region_latency_s is not None and cal.checkpoint_saved_tensor_latency_s is not None:
-        what = ("solved from RMSNorm + SwiGLU block and causal SDPA stacks with and without non-reentrant "
-                f"torch.utils.checkpoint, calibration.eager_ops.checkpoint_costs, {provenance.device}")
-        for key in ("checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s"):
-            acc[key] = float(f"{getattr(cal, key):.4g}")
-            sources[key] = f"measured ({what}): {stamp}"
+    for figure, value in measured.host.items():
+        acc[figure] = float(f"{value.seconds:.4g}")
+        sources[figure] = f"measured ({value.note}): {stamp}"
+    launch = measured.host.get("launch_latency_s")
+    if launch is not None:
+        section["launch"] = {"latency_s": acc["launch_latency_s"], "noise": round(launch.noise, 4)}
+    if "dtensor_op_latency_s" in measured.host:
+        section["dtensor_op"] = {"latency_s": acc["dtensor_op_latency_s"]}
+    if "checkpoint_region_latency_s" in measured.host and "checkpoint_saved_tensor_latency_s" in measured.host:
         section["checkpoint"] = {"region_s": acc["checkpoint_region_latency_s"],
                                  "saved_tensor_s": acc["checkpoint_saved_tensor_latency_s"]}
-    if cal.grouped_gemm is not None:
-        section["grouped_gemm"] = cal.grouped_gemm
-    if cal.attention is not None:
-        section["attention"] = {**cal.attention, "note": "causal SDPA forward; FLOPs = half of 4*B*H*S^2*D"}
-        ratio = cal.attention["efficiency_vs_dense_gemm"]
-        acc["attention_efficiency_vs_gemm"] = float(f"{ratio['median']:.4g}")
-        sources["attention_efficiency_vs_gemm"] = (
-            f"measured (median over {ratio['points']} causal SDPA forward points, {cal.attention['precision']}, of the "
-            f"achieved rate over the calibrated {cal.attention['precision']} GEMM curve at equal FLOPs; range "
-            f"{ratio['min']:g}-{ratio['max']:g}, {provenance.device}): {stamp}")
     acc["sources"] = sources
 
-    if cal.collectives:
-        by_level: dict[str, list[AlphaBetaFit]] = {}
-        for fit in cal.collectives:
-            by_level.setdefault(fit.level, []).append(fit)
-        names = [lvl["name"] for lvl in data["levels"]]
-        for level, fits in by_level.items():
-            if level not in names:
-                raise InputError(f"measured level '{level}' is not a level of cluster '{base_spec.name}' "
-                                 f"({', '.join(names)}); calibrate against the cluster the job ran on")
-            entry = data["levels"][names.index(level)]
-            wire = None if cpu else float(entry["bandwidth_bytes_per_s"])
-            figures = level_figures(fits, wire, [f for f in cal.collectives_after_compute if f.level == level])
-            bandwidth_from = figures.pop("bandwidth_from")
-            old_source = entry.get("source", "")
-            entry.update(figures)
-            entry["source"] = (f"measured: {stamp}; alpha-beta fits of {', '.join(sorted(f.collective for f in fits))} "
-                               f"over {fits[0].ranks} ranks; bandwidth {bandwidth_from}"
-                               + (f"; datasheet was: {old_source}" if old_source and not cpu else ""))
-        section["collectives"] = [{
-            "collective": f.collective, "level": f.level, "ranks": f.ranks, "alpha_s": float(f"{f.alpha_s:.4g}"),
-            "alpha_se_s": float(f"{f.alpha_se_s:.3g}"), "algbw_bytes_per_s": float(f"{f.algbw_bytes_per_s:.4g}"),
-            "busbw_bytes_per_s": float(f"{f.busbw_bytes_per_s:.4g}"), "beta_rel_se": round(f.beta_rel_se, 4),
-            "r2": round(f.r2, 4), "r2_linear": round(f.r2_linear, 4), "points": f.points} for f in cal.collectives]
-        if cal.collectives_after_compute:
-            section["collectives_after_compute"] = [{
-                "collective": f.collective, "level": f.level, "ranks": f.ranks, "alpha_s": float(f"{f.alpha_s:.4g}"),
-                "alpha_se_s": float(f"{f.alpha_se_s:.3g}"), "r2": round(f.r2, 4)} for f in cal.collectives_after_compute]
-        section["levels_calibrated"] = sorted(by_level)
-    data["name"] = f"{base_spec.name}_calibrated"
-    data["description"] = f"{base_spec.description.strip()} Calibrated by mosaic calibrate on {provenance.host}, {provenance.date}."
-    data["calibration"] = section
-    return data
+
+def _fit_quality(kernels: dict[str, Any]) -> dict[str, Any]:
+    """Rows and median |error| of each fitted (not derived) figure of the built kernels."""
+    out: dict[str, Any] = {}
+
+    def take(key: str, record: dict[str, Any]) -> None:
+        if record.get("rows"):
+            out[key] = {"rows": record["rows"], "median_abs_error": record.get("median_abs_error")}
+
+    for precision, record in kernels["gemm"].items():
+        take(f"gemm.{precision}", record)
+    for precision, phases in kernels["grouped_gemm"].items():
+        for phase, record in phases.items():
+            take(f"grouped_gemm.{precision}.{phase}", record)
+    for precision, record in kernels["attention"].items():
+        take(f"attention.{precision}", record)
+    take("memory", kernels["memory"])
+    return out
 
 
-def write_calibrated(base: str, rows: Sequence[Measurement], provenance: Provenance, output: Path,
-                     extra: Optional[dict[str, Any]] = None) -> tuple[Path, Path, ClusterSpec]:
-    """Validate and write `output` (YAML) and its measurements CSV atomically; return both paths and the spec."""
-    csv_path = measurements_path(output)
-    data = calibrated_mapping(base, rows, provenance, csv_path.name)
-    if extra:
-        data["calibration"].update(extra)
+def base_datasheet(data: dict[str, Any]) -> dict[str, Any]:
+    """A cluster file's mapping without its fitted kernel figures (`build.GENERATED_ACCELERATOR_KEYS`)
+    and without a previous `calibration:` section."""
+    from perfmodel.kernels.build import GENERATED_ACCELERATOR_KEYS
+
+    sheet = copy.deepcopy(data)
+    sheet.pop("calibration", None)
+    for key in GENERATED_ACCELERATOR_KEYS:
+        sheet["accelerator"].pop(key, None)
+    return sheet
+
+
+def calibrated_mapping(base: str, measured: MeasuredTables, tables_name: str) -> dict[str, Any]:
+    """The calibrated cluster's mapping (module doc)."""
+    from perfmodel.kernels import derive
+    from perfmodel.kernels.build import MeasuredAccelerator, TableSet, build_cluster, read_datasheets
+    from perfmodel.kernels.tables import merge_tables, read_tables
+
+    path = resolve_cluster_path(base)
+    data = read_yaml(path)
+    base_spec = spec_from_dict(ClusterSpec, data, source=str(path))
+    name = measured.accelerator
+    provenance = measured.provenance
+    cpu = (provenance.get("device") == "cpu") if provenance.get("device") else base_spec.host_cores is not None \
+        or bool(base_spec.size_from_host)
+    stamp = (f"mosaic calibrate {provenance.get('date', '')} on {provenance.get('host', '?')} "
+             f"({provenance.get('device_name', '?')}), tables {tables_name}/")
+    sheet = base_datasheet(data)
+    section: dict[str, Any] = {
+        "provenance": dict(provenance), "base_cluster": {"name": base_spec.name, "file": path.name,
+                                                         "content_hash": base_spec.content_hash()},
+        "tables": tables_name}
+    median, p90 = noise_summary(measured)
+    section["noise"] = {"median_iqr_over_median": round(median, 4), "p90_iqr_over_median": round(p90, 4)}
+    _calibrate_accelerator(sheet["accelerator"], measured, cpu, stamp, section)
+    _calibrate_levels(sheet["levels"], measured, cpu, stamp, section)
+    sheet["name"] = name
+    sheet["description"] = (f"{base_spec.description.strip()} Calibrated by mosaic calibrate on "
+                            f"{provenance.get('host', '?')}, {provenance.get('date', '?')}.")
+
+    sheets = read_datasheets()
+    like = derive.TABLE_ACCELERATOR.get(base_spec.name)
+    if like is not None and base_spec.name not in sheets:
+        like = None
+    bundled = read_tables()
+    others = {kind: table.select(table["accelerator"] != name) for kind, table in bundled.items()}
+    own = {kind: table.select(table["accelerator"] == name) for kind, table in measured.tables.items()}
+    reason = (f"not measured by this calibration: the base cluster's accelerator ({like}) at its achieved rate"
+              if like else "")
+    ts = TableSet(merge_tables(others, own), {**sheets, name: sheet},
+                  measured={name: MeasuredAccelerator(like=like, reason=reason, cpu=cpu)})
+    try:
+        mapping = build_cluster(name, sheet, ts)
+    except ValueError as exc:
+        raise InputError(f"{tables_name}: the measured tables cannot describe this cluster ({exc}); measure the missing "
+                         "kinds (run `mosaic calibrate` without --measurements) or calibrate on a bundled base "
+                         "cluster, whose figures fill them in") from None
+    section["fits"] = _fit_quality(mapping["accelerator"]["kernels"])
+    mapping["calibration"] = section
+    return mapping
+
+
+def write_calibrated(base: str, measured: MeasuredTables, output: Path) -> tuple[Path, ClusterSpec]:
+    """Validate and write `output` (YAML) atomically; return it and the spec."""
+    output = Path(output)
+    data = calibrated_mapping(base, measured, measured.folder.name)
     spec = spec_from_dict(ClusterSpec, data, source=str(output))  # validate before anything is written
-    text = yaml.safe_dump(plain(data, nonfinite_to_none=False), sort_keys=False, width=100)  # fails here, before any file is touched
-    write_csv(csv_path, rows)
+    header = GENERATED_HEADER.format(base=data["calibration"]["base_cluster"]["file"], tables=measured.folder.name)
+    text = header + yaml.safe_dump(plain(data, nonfinite_to_none=False), sort_keys=False, width=100)
     write_text_atomic(output, text)
-    return output, csv_path, spec
+    return output, spec
 
 
-def measurements_path(output: Path) -> Path:
-    return output.with_name(f"{output.stem}.measurements.csv")
-
-
-__all__ = ["Calibration", "Provenance", "calibrated_mapping", "fit_all", "level_figures", "measurements_path",
+__all__ = ["base_datasheet", "calibrated_mapping", "latency_steps", "level_figures", "load_average", "sync_latency",
            "write_calibrated"]

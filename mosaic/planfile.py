@@ -12,7 +12,7 @@ a mapping with these top-level keys, in this order:
   model            MoEArchitecture keys
   tokens           training tokens D (> 0)
   layout           ParallelLayout keys, resolved (dp and gbs set)
-  predicted, derived, compute_optimal, binding, alternatives, search, analysis
+  predicted, derived, compute_optimal, binding, alternatives, decision, search, analysis
                    the planner's report, carried as written (`Plan.report`); no
                    reader interprets it
 
@@ -41,7 +41,7 @@ from perfmodel.specs.strict import check, plain, read_yaml, section_from_mapping
 from perfmodel.validity import violations
 
 PLAN_VERSION = 1
-REPORT_KEYS = ("predicted", "derived", "compute_optimal", "binding", "alternatives", "search", "analysis")
+REPORT_KEYS = ("predicted", "derived", "compute_optimal", "binding", "alternatives", "decision", "search", "analysis")
 """The planner's report sections, in file order after `layout`."""
 KEYS = ("version", "tool_version", "cluster", "fit", "budget", "model", "tokens", "layout") + REPORT_KEYS
 FIX = "a plan needs model, layout, budget and tokens (write it with `mosaic plan -o`)"

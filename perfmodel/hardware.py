@@ -1,17 +1,18 @@
-"""The accelerator as the candidates of one batch see it: peaks, efficiency curves, bandwidth.
+"""The accelerator as the candidates of one batch see it: peaks, kernel figures, bandwidth.
 
-- Peak FLOP/s per candidate: the accelerator's dense peak of the layout's
-  precision (`Accelerator.peak`: mxfp8 falls back to fp8, fp16 to bf16) for the
-  GEMMs; bf16 for the flash-attention core and the `gemm_hp` GEMMs (router, LM
-  head) under fp8/mxfp8. A precision the part lacks is flagged
-  (`precision_missing`) and priced at its largest peak. Each rank's peak is
-  scaled by its core share (1 off-CPU, `perfmodel.host`).
-- Efficiency: eff_compute(FLOPs of one kernel call) per precision
-  (`Accelerator.compute_curve`), eff_memory(bytes per kernel); both piecewise
-  linear in log10(size), flat beyond the ends (`EfficiencyCurve`).
-- Achieved rates: GEMM = peak x eff_compute; attention core = bf16 peak x
-  `attention_efficiency_vs_gemm` x eff_compute; memory-bound = HBM bandwidth x
-  eff_memory.
+- Peak FLOP/s per candidate: the accelerator's dense peak of the layout's precision
+  (`Accelerator.peak`: mxfp8 falls back to fp8, fp16 to bf16) for the GEMMs; bf16 for the
+  flash-attention core and the `gemm_hp` GEMMs (router, LM head) under fp8/mxfp8. A precision
+  the part lacks is flagged (`precision_missing`) and priced at its largest peak. Each rank's
+  peak is scaled by its core share (1 off-CPU, `perfmodel.host`).
+- Achieved rates from the accelerator's fitted kernel figures (`Accelerator.kernels`, forms in
+  `perfmodel.kernels.forms`, fitted to measured tables by `perfmodel.kernels.fit`):
+    GEMM          peak x e_max s(m) s(n) s(k), per phase on that phase's (m, n, k)
+                  (`forms.phase_dims`): dense figures of the GEMM's precision; grouped
+                  expert GEMMs their own figures per phase; gemm_hp at bf16
+    attention     bf16 peak x e_max[phase] s(seq; seq_half_causal) s(head_dim)
+    memory-bound  HBM bandwidth x fraction[class] s(bytes per kernel; bytes_half), as seconds
+                  (bytes + kernels x bytes_half) / (HBM bandwidth x fraction[class])
 """
 
 from __future__ import annotations
@@ -20,54 +21,27 @@ from typing import Union
 
 import numpy as np
 
+from perfmodel.choice import select
 from perfmodel.errors import InputError
+from perfmodel.kernels.forms import GEMM_PHASES, MEMORY_CLASSES, phase_dims, saturation
 from perfmodel.operators import BF16, FP8, precision_code
-from perfmodel.specs.cluster import ClusterSpec, EfficiencyCurve
+from perfmodel.specs.cluster import ClusterSpec
+from perfmodel.specs.kernels import GemmFigures
 from perfmodel.specs.layout import PRECISIONS
 from perfmodel.specs.protocols import LayoutLike, Values
 
 Sizes = Union[float, np.ndarray]
 
+_GEMM_FIELDS = ("e_max", "m_half", "n_half", "k_half")
 
-class CurveLookup:
-    """An `EfficiencyCurve` with its knots pre-logged: linear in log10(size) between the
-    knots, flat beyond the ends (the same function as `EfficiencyCurve.__call__`).
 
-    Evaluated without np.interp: its per-element binary search mispredicts on the
-    random sizes of a batch; counting the knots at or below each size (one comparison
-    pass per knot) and gathering that segment's slope is faster. The arithmetic is
-    np.interp's, slope * (x - x_j) + y_j with slope = (y_{j+1} - y_j) / (x_{j+1} - x_j),
-    so the values are bit-identical."""
-
-    def __init__(self, curve: EfficiencyCurve) -> None:
-        self.log_sizes = np.log10(np.asarray(curve.sizes, dtype=float))
-        self.values = np.asarray(curve.values, dtype=float)
-        # slope of the segment that starts at each knot; 0 after the last (flat)
-        self.slopes = np.append(np.diff(self.values) / np.diff(self.log_sizes), 0.0)
-        # knots are counted in bytes (faster passes than intp) unless there are too many
-        self._count_dtype = np.uint8 if len(self.log_sizes) < 256 else np.intp
-
-    def segment(self, log_size: Sizes) -> tuple[np.ndarray, np.ndarray]:
-        """(index j of the knot at or below each log size, 0 below the first; the log
-        size minus that knot's, after clipping to the knots' range)."""
-        j = np.zeros(np.shape(log_size), dtype=self._count_dtype)
-        for knot in self.log_sizes[1:]:
-            j += log_size >= knot
-        j = j.astype(np.intp)
-        offset = np.clip(log_size, self.log_sizes[0], self.log_sizes[-1])
-        offset -= self.log_sizes.take(j)  # take: a faster gather than [j]
-        return j, offset
-
-    def __call__(self, size: Sizes) -> np.ndarray:
-        with np.errstate(divide="ignore"):
-            j, offset = self.segment(np.log10(size))
-        offset *= self.slopes.take(j)
-        offset += self.values.take(j)
-        return offset
+def _gemm_table(figures: list[GemmFigures]) -> np.ndarray:
+    """(precision code, field) array of a GEMM figure per precision."""
+    return np.asarray([[getattr(f, name) for name in _GEMM_FIELDS] for f in figures], dtype=float)
 
 
 class HardwareView:
-    """Peaks and efficiency curves per candidate (precision codes index PRECISIONS).
+    """Peaks and kernel figures per candidate (precision codes index PRECISIONS).
 
     `share`: each candidate's fraction of a core (`HostDispatch.core_share`; 1 off-CPU),
     which scales its peaks and divides its launch latency."""
@@ -91,71 +65,74 @@ class HardwareView:
         self.attn_peak = np.where(np.isfinite(attn_peak), attn_peak, fallback) * share
         self.launch_latency_s = acc.launch_latency_s / share
         """Seconds per kernel launch of one rank (ranks sharing a core dispatch in turns)."""
-        self.attn_ratio = acc.attention_efficiency_vs_gemm or 1.0  # the core's rate over a GEMM's (calibrated)
-        self.curves = [CurveLookup(acc.compute_curve(name)) for name in PRECISIONS]
-        self.gemm_code, self.attn_code = code, attn_code
-        self.gemm_present = np.flatnonzero(np.bincount(code, minlength=len(PRECISIONS)))
-        self.attn_present = np.flatnonzero(np.bincount(attn_code, minlength=len(PRECISIONS)))
-        # Mixed precisions. When the present curves share their knots (the bundled clusters
-        # do), each row's segment on the common knots is found once and a gather of its own
-        # curve's slope and value there finishes the interpolation. Otherwise every
-        # precision's curve is laid side by side on one axis (curve c shifted by 100 c
-        # decades), each row clipped to its own curve's ends, so one np.interp prices all
-        # rows exactly as their own curve would.
-        self._stacked: dict[str, tuple[np.ndarray, ...]] = {}
-        self._shared: dict[str, tuple[CurveLookup, np.ndarray, np.ndarray, np.ndarray]] = {}
-        for name, codes, present in (("gemm", code, self.gemm_present), ("attention", attn_code, self.attn_present)):
-            knots = {tuple(self.curves[c].log_sizes) for c in present}
-            if len(present) > 1 and len(knots) == 1 and len(self.curves[present[0]].log_sizes) > 1:
-                k = len(self.curves[present[0]].log_sizes)
-                values, slopes = np.zeros((len(PRECISIONS), k)), np.zeros((len(PRECISIONS), k))
-                for c in present:
-                    values[c], slopes[c] = self.curves[c].values, self.curves[c].slopes
-                self._shared[name] = (self.curves[present[0]], values.ravel(), slopes.ravel(), codes * k)
-            elif len(present) > 1:
-                xs = np.concatenate([self.curves[c].log_sizes + 100.0 * c for c in present])
-                ys = np.concatenate([self.curves[c].values for c in present])
-                lo = np.array([self.curves[c].log_sizes[0] for c in range(len(PRECISIONS))])
-                hi = np.array([self.curves[c].log_sizes[-1] for c in range(len(PRECISIONS))])
-                self._stacked[name] = (xs, ys, lo[codes], hi[codes], 100.0 * codes)
         self.hbm_bytes_per_s = acc.hbm_bandwidth_bytes_per_s
-        self.mem_curve = CurveLookup(acc.memory_efficiency)
-        self._mem_cache: dict[tuple[int, object], tuple[Values, np.ndarray]] = {}
+        k = acc.kernels
+        dense = _gemm_table([k.gemm[k.precision("gemm", p)] for p in PRECISIONS])
+        grouped = {ph: _gemm_table([k.grouped_gemm[k.precision("grouped_gemm", p)].phase(ph) for p in PRECISIONS])
+                   for ph in GEMM_PHASES}
+        attention = [k.attention[k.precision("attention", p)] for p in PRECISIONS]
+        attn = np.asarray([[a.fwd_e_max, a.bwd_e_max, a.seq_half_causal, a.head_dim_half] for a in attention])
+        # per candidate: one row of figures each (gathered on first use; scalars when one precision is present)
+        self._tables = {"dense": (dense, False), "dense_hp": (dense, True), "attention": (attn, True),
+                        **{f"grouped_{ph}": (t, False) for ph, t in grouped.items()}}
+        self._code, self._attn_code = code, attn_code
+        self._figures: dict[str, tuple[Values, ...]] = {}
+        memory = k.memory
+        self._memory_fraction = {c: memory.fraction[c] for c in MEMORY_CLASSES}
+        self._bytes_half = memory.bytes_half
 
-    def _eff(self, which: str, present: np.ndarray, size: Sizes) -> np.ndarray:
-        if len(present) <= 1:
-            return self.curves[present[0] if len(present) else BF16](size)
-        if which in self._shared:
-            curve, values, slopes, row_start = self._shared[which]
-            with np.errstate(divide="ignore"):
-                j, offset = curve.segment(np.log10(size))
-            j += row_start
-            offset *= slopes.take(j)
-            offset += values.take(j)
-            return offset
-        xs, ys, lo, hi, shift = self._stacked[which]
-        with np.errstate(divide="ignore"):
-            return np.interp(np.clip(np.log10(size), lo, hi) + shift, xs, ys)
+    def take(self, rows: np.ndarray) -> HardwareView:
+        """The view of the candidates at `rows`: the same peaks and figures, gathered."""
+        sub = object.__new__(HardwareView)
+        sub.__dict__.update(self.__dict__)
+        for name in ("precision_missing", "share", "gemm_peak", "attn_peak", "launch_latency_s", "_code", "_attn_code"):
+            value = getattr(self, name)
+            setattr(sub, name, value[rows] if isinstance(value, np.ndarray) and value.ndim else value)
+        sub._figures = {}
+        return sub
 
-    def compute_rate(self, kind: str, kernel_flops: Sizes) -> np.ndarray:
-        """Achieved FLOP/s: peak x eff_compute(FLOPs of one kernel call). Attention and the
-        bf16 GEMMs (gemm_hp: router, LM head) run at bf16 under fp8/mxfp8."""
-        if kind in ("attention", "gemm_hp"):
-            ratio = self.attn_ratio if kind == "attention" else 1.0  # the flash core's measured fraction
-            return self.attn_peak * ratio * self._eff("attention", self.attn_present, kernel_flops)
-        return self.gemm_peak * self._eff("gemm", self.gemm_present, kernel_flops)
+    def figures(self, name: str) -> tuple[Values, ...]:
+        """One figure set (dense, dense_hp, attention, grouped_<phase>) per candidate, by precision code."""
+        if name not in self._figures:
+            table, attention_precision = self._tables[name]
+            code = self._attn_code if attention_precision else self._code
+            present = np.unique(code)
+            self._figures[name] = (tuple(float(v) for v in table[int(present[0])]) if len(present) == 1
+                                   else tuple(np.take(table[:, j], code) for j in range(table.shape[1])))
+        return self._figures[name]
 
-    def memory_efficiency(self, nbytes: Values, kernels: Values) -> np.ndarray:
-        """eff_memory(bytes per kernel); repeated operands (the same array object, e.g.
-        every norm's bytes) are looked up once."""
-        key = (id(nbytes), kernels if np.ndim(kernels) == 0 else id(kernels))
-        hit = self._mem_cache.get(key)
-        if hit is not None and hit[0] is nbytes:
-            return hit[1]
-        eff = self.mem_curve(nbytes / np.maximum(kernels, 1.0))
-        self._mem_cache[key] = (nbytes, eff)
-        return eff
+    # -- rates ------------------------------------------------------------------------------
+    def gemm_rate(self, kind: str, phase: str, m: Values, n: Values, k: Values) -> Values:
+        """Achieved FLOP/s of a `kind` GEMM (gemm, gemm_hp, expert_gemm) of forward shape
+        (m, n, k) per group in `phase` (fwd, dgrad, wgrad)."""
+        pm, pn, pk = phase_dims(phase, m, n, k)
+        if kind == "expert_gemm":
+            e_max, hm, hn, hk = self.figures(f"grouped_{phase}")
+            peak = self.gemm_peak
+        elif kind == "gemm_hp":
+            e_max, hm, hn, hk = self.figures("dense_hp")
+            peak = self.attn_peak
+        else:
+            e_max, hm, hn, hk = self.figures("dense")
+            peak = self.gemm_peak
+        return peak * (e_max * saturation(pm, hm) * saturation(pn, hn) * saturation(pk, hk))
 
-    def memory_time(self, nbytes: Values, kernels: Values) -> Values:
-        """Seconds: bytes / (HBM bandwidth x eff_memory(bytes per kernel))."""
-        return nbytes / (self.hbm_bytes_per_s * self.memory_efficiency(nbytes, kernels))
+    def attention_rate(self, phase: str, seq_len: Values, head_dim: Values) -> Values:
+        """Achieved FLOP/s (executed, causal) of the flash-attention core in phase fwd or bwd."""
+        fwd_e, bwd_e, seq_half, dim_half = self.figures("attention")
+        e_max = fwd_e if phase == "fwd" else bwd_e
+        return self.attn_peak * (e_max * saturation(seq_len, seq_half) * saturation(head_dim, dim_half))
+
+    def operand_seconds(self, nbytes: Values) -> Values:
+        """A GEMM's or attention kernel's operand traffic: bytes / (HBM bw x fraction[copy]), the
+        memory side of its roofline. No per-kernel fixed cost: the kernel-timed GEMM and attention
+        rows hold that in their shape saturations (`kernels.fit`, fitted with this same side)."""
+        return nbytes / (self.hbm_bytes_per_s * self._memory_fraction["copy"])
+
+    def memory_seconds(self, nbytes: Values, kernels: Values, kernel_class: str = "copy") -> Values:
+        """Seconds of memory-bound traffic: bytes / (HBM bw x fraction[class] x s(bytes per kernel;
+        bytes_half)) = (bytes + kernels x bytes_half) / (HBM bw x fraction[class]): each launch
+        costs bytes_half's worth of streaming; nothing when no bytes move."""
+        per_s = self.hbm_bytes_per_s * self._memory_fraction[kernel_class]
+        seconds = (nbytes + np.maximum(kernels, 1.0) * self._bytes_half) / per_s
+        return select(np.asarray(nbytes) > 0, seconds, 0.0) if np.ndim(seconds) else (seconds if nbytes > 0 else 0.0)

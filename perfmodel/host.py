@@ -4,7 +4,11 @@
   a phase of a micro-batch takes max(device time, kernels x launch latency) and
   only the excess shows as dispatch; the kernels are the fused ones of
   Megatron-Core / Transformer Engine (`perfmodel.operators`), the collectives
-  Megatron's (`operators.layer_comms`). The optimizer step takes
+  Megatron's (`operators.layer_comms`). A synchronisation stops the host running
+  ahead: each routed MoE layer's forward (and its recomputed forward) reads the
+  split sizes back to the host (MOE_HOST_SYNCS_PER_LAYER), so the device drains,
+  waits the round trip and then the first launch: + syncs x (host_sync_latency_s
+  + launch latency) per micro-batch, serial, never hidden. The optimizer step takes
   max(HBM time, OPTIMIZER_KERNELS_PER_LAYER x layers x launch latency).
 - `EagerHost` (CPU clusters, `ClusterSpec.host_cores` set): every rank is an
   eager PyTorch process running the bundled trainer on its own core, which both
@@ -22,10 +26,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Optional, Protocol, Union
 
 import numpy as np
 
+from perfmodel.choice import select
 from perfmodel.comm import CollectivePricer
 from perfmodel.eager import (
     EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR,
@@ -52,6 +57,16 @@ from perfmodel.tables import LAYER_BLOCKS, StageBlocks
 OPTIMIZER_KERNELS_PER_LAYER = 3.0
 """Fused multi-tensor launches per layer for the step: gradient norm, unscale/clip,
 Adam (apex/Transformer Engine multi_tensor_apply); an estimate, small either way."""
+
+
+MOE_HOST_SYNCS_PER_LAYER = 1.0
+"""Device-to-host reads per routed MoE layer forward that the host waits on: the dropless
+token dispatchers learn how many tokens each expert receives on the host, to size the
+permuted buffers and the grouped GEMM's m_splits: Megatron-Core's alltoall dispatcher
+(`tokens_per_expert` to host before the all-to-all, `cuda_sync_point`), DeepEP normal
+dispatch (waits on the host for the received counts, 'timeout (dispatch CPU)'), HybridEP
+('1x host sync', NVIDIA-NeMo/Megatron-Bridge#1842, and the stream drain NVIDIA-NeMo/Automodel
+#3931 removes in its capacity mode). The backward reuses the forward's sizes."""
 
 
 class HostDispatch(Protocol):
@@ -86,7 +101,11 @@ class HostDispatch(Protocol):
 
 @dataclass(frozen=True)
 class AsyncHost:
-    """An accelerator's host: launches run ahead of the device; only their excess shows."""
+    """An accelerator's host: launches run ahead of the device; only their excess shows,
+    except at the MoE layers' host synchronisations, which serialise."""
+
+    host_sync_latency_s: Optional[float] = None
+    """`Accelerator.host_sync_latency_s` (None: synchronisations not priced)."""
 
     def core_share(self, devices: np.ndarray) -> np.ndarray:
         return np.ones_like(devices)
@@ -96,18 +115,31 @@ class AsyncHost:
 
     def phase_kernels(self, stage: StageBlocks) -> tuple[Values, Values]:
         """Fused kernels and collective launches; full recompute launches the layers' forward
-        kernels again, selective the attention core (one kernel per layer)."""
+        kernels again, selective the attention core (one kernel per layer; with MLA also the up
+        projections' kernels)."""
         total, full, selective = stage.total, stage.full, stage.selective
         fwd = total("fwd_kernels") + total("fwd_comm_kernels")
         bwd = (total("bwd_kernels") + total("bwd_comm_kernels")
-               + np.where(full, total("fwd_kernels", LAYER_BLOCKS), np.where(selective, stage.counts["attention"], 0.0)))
+               + select(full, total("fwd_kernels", LAYER_BLOCKS),
+                          select(selective, total("selective_kernels", ("attention",)), 0.0)))
         return fwd, bwd
 
     def dispatch_s(self, stage: StageBlocks, fwd_kernels: Values, bwd_kernels: Values, fwd_device_s: Values,
                    bwd_device_s: Values, launch_latency_s: Values, share: np.ndarray) -> Values:
-        """Per phase max(kernels x launch latency - device time, 0)."""
-        return (np.maximum(fwd_kernels * launch_latency_s - fwd_device_s, 0.0)
-                + np.maximum(bwd_kernels * launch_latency_s - bwd_device_s, 0.0))
+        """Per phase max(kernels x launch latency - device time, 0), plus the MoE layers'
+        synchronisations x (host_sync_latency_s + launch latency)."""
+        ahead_s = (np.maximum(fwd_kernels * launch_latency_s - fwd_device_s, 0.0)
+                   + np.maximum(bwd_kernels * launch_latency_s - bwd_device_s, 0.0))
+        if self.host_sync_latency_s is None:
+            return ahead_s
+        return ahead_s + self.host_syncs(stage) * (self.host_sync_latency_s + launch_latency_s)
+
+    @staticmethod
+    def host_syncs(stage: StageBlocks) -> Values:
+        """Host synchronisations of one micro-batch on a stage: MOE_HOST_SYNCS_PER_LAYER per routed
+        MoE layer forward, again for its recomputed forward under full recompute."""
+        moe = stage.counts["moe"] * np.where(np.asarray(stage.arch.n_experts, dtype=float) > 0, 1.0, 0.0)
+        return MOE_HOST_SYNCS_PER_LAYER * moe * np.where(stage.full, 2.0, 1.0)
 
     def step_kernels(self, stage: StageBlocks) -> Values:
         return OPTIMIZER_KERNELS_PER_LAYER * np.maximum(stage.counts["attention"], 1.0)
@@ -206,7 +238,7 @@ class EagerHost:
 def host_dispatch(cluster: ClusterSpec) -> Union[AsyncHost, EagerHost]:
     """The cluster's host policy: `EagerHost` where `host_cores` is set (CPU ranks), else `AsyncHost`."""
     if cluster.host_cores is None:
-        return AsyncHost()
+        return AsyncHost(host_sync_latency_s=cluster.accelerator.host_sync_latency_s)
     acc = cluster.accelerator
     return EagerHost(host_cores=cluster.host_cores,
                      dtensor_op_latency_s=acc.dtensor_op_latency_s or 0.0,

@@ -19,7 +19,9 @@ from perfmodel.specs.layout import LayoutBatch, ParallelLayout
 
 Batch = TypeVar("Batch", ArchBatch, LayoutBatch)
 
-CODE_FIELDS = ("dp_flavor", "recompute", "precision", "sequence_parallel", "gated_ffn", "tie_embeddings")
+CODE_FIELDS = ("dp_flavor", "recompute", "precision", "sequence_parallel", "gated_ffn", "tie_embeddings",
+               "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap",
+               "account_embedding", "account_loss", "pp_layout", "balanced_split", "dispatcher", "pad_to_capacity")
 """Columns that hold categorical codes or flags (kept as they are by `as_float`)."""
 
 

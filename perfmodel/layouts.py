@@ -21,14 +21,19 @@ import numpy as np
 
 from perfmodel.evaluate import REASONS, EvalResult, evaluate
 from perfmodel.specs.layout import (
+    CORE_LAYOUT_FIELDS,
     DP_FLAVORS,
-    LAYOUT_FIELDS,
+    OVERLAP_FIELDS,
     PRECISIONS,
     RECOMPUTE_MODES,
     LayoutBatch,
     default_gbs_of_job,
 )
 from perfmodel.validity import valid_mask
+
+GRID_FIELDS = CORE_LAYOUT_FIELDS + OVERLAP_FIELDS
+"""The fields `layout_grid` crosses (the optional split and dispatch fields take their defaults)."""
+BOOL_GRID = ("sequence_parallel",) + OVERLAP_FIELDS
 
 
 def default_precision(cluster: Any) -> str:
@@ -48,31 +53,38 @@ def powers_of_two(limit: int) -> list[int]:
 def layout_grid(devices: int, *, tp: Sequence[int], pp: Sequence[int], vpp: Sequence[int], ep: Sequence[int],
                 etp: Sequence[int], cp: Sequence[int], dp_flavor: Sequence[str], mbs: Sequence[int],
                 recompute: Sequence[str], precision: Sequence[str],
-                sequence_parallel: Optional[Sequence[bool]] = None, gbs: int = 0) -> LayoutBatch:
+                sequence_parallel: Optional[Sequence[bool]] = None, gbs: int = 0,
+                overlaps: Sequence[tuple[bool, bool, bool, bool]] = ((False, False, False, False),)) -> LayoutBatch:
     """Every combination of the lists (crossed tp outermost ... precision innermost, the order
     ties break in) with dp = devices / (tp * cp * pp). Left out: tp * cp * pp not dividing the
     devices, vpp > 1 without a pipeline, and with `sequence_parallel` None (auto) any row whose
-    sequence parallel is not exactly tp > 1. Every row gets `gbs` (0: filled later per pair).
+    sequence parallel is not exactly tp > 1, and tp_comm_overlap without sequence parallel (it
+    overlaps the sequence-parallel all-gathers). `overlaps`: (overlap_grad_reduce,
+    overlap_param_gather, tp_comm_overlap, ep_comm_overlap) choices, crossed innermost. Every row
+    gets `gbs` (0: filled later per pair).
     The one grid builder: `mosaic predict --layout best` (`candidate_layouts`) and the planner's
     search space (`mosaic.planner.space.layout_grid`) pass their lists."""
     sp_values = (False, True) if sequence_parallel is None else tuple(sequence_parallel)
     rows = []
-    for t, p, v, e, et, c, flavor, m, rec, sp, prec in itertools.product(
-            tp, pp, vpp, ep, etp, cp, dp_flavor, mbs, recompute, sp_values, precision):
+    for t, p, v, e, et, c, flavor, m, rec, sp, prec, ov in itertools.product(
+            tp, pp, vpp, ep, etp, cp, dp_flavor, mbs, recompute, sp_values, precision, overlaps):
         if devices % (t * c * p) != 0:
             continue
         if sequence_parallel is None and sp != (t > 1):
             continue
         if v > 1 and p == 1:
             continue
+        if ov[2] and not sp:
+            continue
         rows.append((t, p, v, e, et, c, devices // (t * c * p), DP_FLAVORS.index(flavor), m, gbs,
-                     RECOMPUTE_MODES.index(rec), sp, PRECISIONS.index(prec)))
+                     RECOMPUTE_MODES.index(rec), sp, PRECISIONS.index(prec), *ov))
     if not rows:
-        return LayoutBatch(**{name: np.zeros(0, dtype=bool if name == "sequence_parallel" else np.int64)
-                              for name in LAYOUT_FIELDS})
+        return LayoutBatch(**{name: np.zeros(0, dtype=bool if name in BOOL_GRID else np.int64)
+                              for name in GRID_FIELDS})
     table = np.asarray(rows, dtype=np.int64)
-    cols = {name: table[:, i] for i, name in enumerate(LAYOUT_FIELDS)}
-    cols["sequence_parallel"] = cols["sequence_parallel"].astype(bool)
+    cols = {name: table[:, i] for i, name in enumerate(GRID_FIELDS)}
+    for name in BOOL_GRID:
+        cols[name] = cols[name].astype(bool)
     return LayoutBatch(**cols)
 
 
@@ -83,7 +95,8 @@ def candidate_layouts(arch: Any, cluster: Any, devices: int, gbs: int, precision
         devices, tp=powers_of_two(min(cluster.node_devices, devices)),
         pp=[p for p in powers_of_two(min(arch.n_layers, devices)) if arch.n_layers % p == 0], vpp=(1, 2, 4),
         ep=[e for e in range(1, n_experts + 1) if n_experts % e == 0 and e <= devices], etp=(1,), cp=(1, 2),
-        dp_flavor=DP_FLAVORS, mbs=(1, 2, 4, 8), recompute=RECOMPUTE_MODES, precision=(precision,), gbs=gbs)
+        dp_flavor=DP_FLAVORS, mbs=(1, 2, 4, 8), recompute=RECOMPUTE_MODES, precision=(precision,), gbs=gbs,
+        overlaps=((True, True, False, False),))
     if len(batch) == 0:
         return batch
     return batch.take(np.flatnonzero(valid_mask(arch, batch, devices)))

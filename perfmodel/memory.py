@@ -36,7 +36,7 @@ Sources
   selective saves that, and flash's own bf16 copy of the output under fp8. Full
   recompute keeps only each layer's input plus one layer's working set.
 - MoE stored activations use the MEAN tokens per expert-parallel rank (M_mean), not the
-  busiest rank's (M_exp = MOE_LOAD_FACTOR x mean): a rank's peak is the sum over all its
+  busiest rank's (M_exp = load x mean, `perfmodel.routing.busiest_load_factor`): a rank's peak is the sum over all its
   layers and in-flight micro-batches, and the rank that is busiest differs from layer to
   layer (routing is balanced by the auxiliary loss only on average), so the sum
   concentrates at the mean (law of large numbers over L x in-flight terms). The
@@ -51,17 +51,24 @@ Sources
   (2 layers, bf16) plus one layer's unsharded fp32 gradient.
 - Framework overhead (CUDA context, communicator buffers, fragmentation):
   `cluster.framework_overhead_bytes`.
-- Per device (`memory_per_device`): the larger of the first and the last pipeline stage
-  (every other stage is bounded by one of them, `perfmodel.schedule`); what `evaluate`
-  reports and the planner prunes with.
+- MoE stored rows: M_mean dropless; with a capacity factor the kept (not dropped) rows, or
+  the padded capacity (`operators.shapes` M_kept).
+- MLA (`mla_activation_bytes`): latents, Q/K/V and the core output; selective recompute of the
+  up projections and the core keeps the latents and the output projection's input.
+- MTP modules on the last stage: their layer, projection input and a second set of logits.
+- Per device (`memory_per_device`): the largest of the priced pipeline stages
+  (`schedule.pipeline_stages`); what `evaluate` reports and the planner prunes with.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import numpy as np
 
+from perfmodel import choice, memo
+from perfmodel.choice import Rows
+from perfmodel.memo import memoised, memoised_last
 from perfmodel.operators import (
     FP8,
     FP32,
@@ -78,12 +85,14 @@ from perfmodel.operators import (
     shapes,
     weight_bytes,
 )
-from perfmodel.schedule import in_flight, stage_layer_counts
+from perfmodel.schedule import Stage, in_flight, pipeline_stages
 from perfmodel.specs.architecture import (
     attention_params_per_layer,
     dense_ffn_params,
     expert_params,
+    n_moe_layers,
     router_params,
+    uses_mla,
 )
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
@@ -99,6 +108,9 @@ def stage_params(arch: ArchLike, lay: LayoutLike, counts: dict[str, Values]) -> 
     shared experts/tp per MoE layer, vocab-parallel embedding/LM head (V*h/tp each;
     tied embeddings on one stage are counted once), final norm on the head stage.
     Expert: E/ep routed experts per MoE layer, each split over etp.
+    MTP modules (counts["mtp"]): their layer (of the last layer's type) as above, 3 norms and
+    the 2h x h projection / tp; they share the LM head and need the embedding on their stage
+    (Megatron keeps a copy there, kept equal to the first stage's like a tied embedding).
     """
     tp = np.asarray(lay.tp, dtype=float)
     h = np.asarray(arch.d_model, dtype=float)
@@ -110,9 +122,20 @@ def stage_params(arch: ArchLike, lay: LayoutLike, counts: dict[str, Values]) -> 
              + counts["embedding"] * vocab + counts["head"] * (np.where(tied_here, 0.0, vocab) + h))
     experts = (counts["moe"] * np.asarray(arch.n_experts, dtype=float) / np.asarray(lay.ep, dtype=float)
                * expert_params(arch) / np.asarray(lay.etp, dtype=float))
+    mtp = counts.get("mtp", 0.0)
+    if np.ndim(mtp) or mtp:
+        moe = np.asarray(n_moe_layers(arch)) > 0
+        ffn = np.where(moe, router_params(arch) + np.asarray(arch.n_shared_experts) * expert_params(arch) / tp,
+                       dense_ffn_params(arch) / tp)
+        mtp_embedding = np.where((mtp > 0) & (counts["embedding"] == 0), vocab, 0.0)
+        dense = dense + mtp * (attention_params_per_layer(arch) / tp + 2.0 * h + ffn + 3.0 * h + 2.0 * h * h / tp) \
+            + mtp_embedding
+        experts = experts + mtp * np.where(moe, np.asarray(arch.n_experts, dtype=float) / np.asarray(lay.ep, dtype=float)
+                                           * expert_params(arch) / np.asarray(lay.etp, dtype=float), 0.0)
     return dense, experts
 
 
+@memoised
 def shard_sizes(lay: LayoutLike) -> tuple[Values, Values]:
     """Data-parallel shard counts: dense over dp*cp, experts over edp = tp*cp*dp/(etp*ep)."""
     tp, cp, dp = (np.asarray(getattr(lay, n), dtype=float) for n in ("tp", "cp", "dp"))
@@ -120,11 +143,13 @@ def shard_sizes(lay: LayoutLike) -> tuple[Values, Values]:
     return dp * cp, edp
 
 
+@memoised
 def optimizer_bytes_per_param(lay: LayoutLike) -> Values:
     """Adam state: fp32 master + 2 moments = 12 B (mixed precision), 2 moments = 8 B (fp32)."""
     return np.where(precision_code(lay) == FP32, 8.0, 12.0)
 
 
+@memoised_last
 def layer_activation_bytes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
     """Stored activation bytes of one layer's blocks for one micro-batch (recompute none/selective).
 
@@ -140,13 +165,16 @@ def layer_activation_bytes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]
     b = activation_bytes(lay)
     g = gemm_operand_bytes(lay)
     fp8 = precision_code(lay) >= FP8
-    T, T_sp, T_moe, M = sh["T"], sh["T_sp"], sh["T_moe"], sh["M_mean"]
+    T, T_sp, T_moe, M = sh["T"], sh["T_sp"], sh["T_moe"], sh["M_kept"]
     h, h_q, h_kv, tp, etp = sh["h"], sh["h_q"], sh["h_kv"], sh["tp"], sh["etp"]
     up = np.where(sh["gated"], 2.0, 1.0)
     selective = recompute_code(lay) == SELECTIVE
     kept_without_recompute = np.where(fp8, b + g, b) * T * h_q / tp + 4.0 * T * sh["heads"] / tp
     attention = ((b + g) * T_sp * h + b * T * (h_q + 2.0 * h_kv) / tp
                  + np.where(selective, g * T * h_q / tp, kept_without_recompute))
+    mla = np.asarray(uses_mla(arch))
+    if mla.any():
+        attention = np.where(mla, mla_activation_bytes(arch, lay), attention)
     d_ff = np.asarray(arch.d_ff_dense, dtype=float)
     dense = (b + g) * T_sp * h + (b * up + g) * T * d_ff / tp
     d_loc = np.asarray(arch.d_expert, dtype=float) / etp
@@ -157,15 +185,41 @@ def layer_activation_bytes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]
     return {"attention": attention, "dense_ffn": dense, "moe": moe, "layer_input": b * T_sp * h}
 
 
-def stage_memory(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec, stage: str, counts: Optional[dict[str, Values]] = None,
-                 params: Optional[tuple[Values, Values]] = None,
-                 activations: Optional[dict[str, Values]] = None) -> dict[str, Values]:
-    """Memory components (bytes) of one device of the `first` or `last` stage.
+def mla_activation_bytes(arch: ArchLike, lay: LayoutLike) -> Values:
+    """Stored bytes of one MLA attention block per micro-batch: the norm input (b) and the down
+    projections' input (g; one copy, as for the QKV input), the latents the up projections keep
+    (their norms' inputs and the rope key: b T (r_q + r_kv + d_r), T rows: gathered over tp), and
+    without recompute Q, K, V (b T H (2 d_q + d_v) / tp), the core output (b, + g under fp8) and
+    its fp32 log-sum-exp; selective recompute (core + up projections, Megatron's core_attn and
+    mla_up_proj) keeps only the output projection's input (g)."""
+    from perfmodel.operators import mla_widths
 
-    `counts` (stage_layer_counts(...)[stage]), `params` (stage_params(...)) and
-    `activations` (layer_activation_bytes(...)) may be passed when already computed.
+    sh = shapes(arch, lay)
+    w = mla_widths(arch, lay)
+    b, g = activation_bytes(lay), gemm_operand_bytes(lay)
+    fp8 = precision_code(lay) >= FP8
+    T, T_sp, h, tp = sh["T"], sh["T_sp"], sh["h"], sh["tp"]
+    H, d_q, d_v = w["H"], w["d_q"], w["d_v"]
+    latents = b * T * (w["r_q"] + w["r_kv"] + w["d_r"])
+    out = T * H * d_v / tp
+    kept = b * T * H * (2.0 * d_q + d_v) / tp + np.where(fp8, b + g, b) * out + 4.0 * T * H / tp
+    selective = recompute_code(lay) == SELECTIVE
+    return (b + g) * T_sp * h + latents + np.where(selective, g * out, kept)
+
+
+def stage_memory(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec, stage: Union[str, Stage],
+                 counts: Optional[dict[str, Values]] = None, params: Optional[tuple[Values, Values]] = None,
+                 activations: Optional[dict[str, Values]] = None) -> dict[str, Values]:
+    """Memory components (bytes) of one device of a pipeline stage: a `Stage` of
+    `schedule.pipeline_stages`, or `first` / `last` (rank 0 / pp - 1).
+
+    `counts` (the stage's), `params` (stage_params(...)) and `activations`
+    (layer_activation_bytes(...)) may be passed when already computed.
     """
-    counts = stage_layer_counts(arch, lay)[stage] if counts is None else counts
+    if isinstance(stage, str):
+        stages = pipeline_stages(arch, lay)
+        stage = stages[0] if stage == "first" else stages[1]
+    counts = stage.counts if counts is None else counts
     dense, experts = stage_params(arch, lay, counts) if params is None else params
     shard_dense, shard_expert = shard_sizes(lay)
     flavor = dp_flavor_code(lay)
@@ -183,11 +237,20 @@ def stage_memory(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec, stage: s
     one_layer = act["attention"] + ffn_max
     full = recompute_code(lay) == FULL
     per_mb = np.where(full, counts["attention"] * act["layer_input"], per_mb)
-    activations_bytes = in_flight(lay, stage) * per_mb + np.where(full, one_layer, 0.0)
-
     sh = shapes(arch, lay)
     b = activation_bytes(lay)
-    logits = counts["head"] * (b + 4.0) * sh["T"] * sh["V"] / sh["tp"]
+    mtp = counts.get("mtp", 0.0)
+    mtp_logits: Values = 0.0
+    if np.ndim(mtp) or mtp:
+        # an MTP module stores its layer, its two normed inputs (concatenated: the projection's
+        # input) and its own logits (a second LM head); full recompute leaves it out
+        moe_model = np.asarray(n_moe_layers(arch)) > 0
+        mtp_layer = act["attention"] + np.where(moe_model, act["moe"], act["dense_ffn"]) + 4.0 * b * sh["T"] * sh["h"]
+        per_mb = per_mb + mtp * mtp_layer
+        mtp_logits = mtp * (b + 4.0) * sh["T"] * sh["V"] / sh["tp"]
+    activations_bytes = in_flight(lay, stage.rank) * per_mb + np.where(full, one_layer, 0.0)
+
+    logits = counts["head"] * (b + 4.0) * sh["T"] * sh["V"] / sh["tp"] + mtp_logits
     copies = sh["T_moe"] * np.asarray(arch.top_k, dtype=float)
     moe_buffers = np.where(counts["moe"] > 0, 2.0 * b * sh["M_exp"] * sh["h"] + b * copies * sh["h"], 0.0)
 
@@ -208,32 +271,37 @@ def stage_memory(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec, stage: s
 
 
 class DeviceMemory(NamedTuple):
-    """Memory per device of the larger of the first and the last pipeline stage."""
+    """Memory per device of the largest priced pipeline stage."""
 
     total_bytes: np.ndarray
     breakdown: dict[str, np.ndarray]
-    """Bytes per MEMORY_COMPONENTS entry, of the larger stage."""
-    last_bigger: np.ndarray
-    """True where the last stage holds more than the first."""
+    """Bytes per MEMORY_COMPONENTS entry, of the largest stage."""
+    stage: np.ndarray
+    """Index into `schedule.pipeline_stages` of the largest stage (0: the first, 1: the last)."""
 
 
 def memory_per_device(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec,
-                      counts: Optional[dict[str, dict[str, Values]]] = None,
-                      params: Optional[dict[str, tuple[Values, Values]]] = None) -> DeviceMemory:
-    """Bytes per device of the larger pipeline stage (first or last; every other stage is
-    bounded by one of them, `perfmodel.schedule`), with that stage's components.
+                      stages: Optional[list[Stage]] = None,
+                      params: Optional[list[tuple[Values, Values]]] = None) -> DeviceMemory:
+    """Bytes per device of the largest pipeline stage (of `schedule.pipeline_stages`; the others
+    hold no more), with that stage's components; ties go to the earlier stage.
 
-    `counts` (stage_layer_counts(...)) and `params` ({stage: stage_params(...)}) may be
-    passed when already computed."""
-    counts = stage_layer_counts(arch, lay) if counts is None else counts
-    activations = layer_activation_bytes(arch, lay)
-    mem = {stage: stage_memory(arch, lay, cluster, stage, counts[stage], None if params is None else params[stage],
-                               activations)
-           for stage in ("first", "last")}
-    total_first = sum(mem["first"][k] for k in MEMORY_COMPONENTS)
-    total_last = sum(mem["last"][k] for k in MEMORY_COMPONENTS)
-    last_bigger = total_last > total_first
-    total = np.asarray(np.where(last_bigger, total_last, total_first), dtype=float)
-    breakdown = {k: np.broadcast_to(np.where(last_bigger, mem["last"][k], mem["first"][k]), total.shape).astype(float)
+    `stages` and `params` ([stage_params(...) per stage]) may be passed when already computed."""
+    with memo.scope():  # the stages share their batch's formulas (`perfmodel.memo`)
+        stages = pipeline_stages(arch, lay) if stages is None else stages
+        activations = layer_activation_bytes(arch, lay)
+        return largest_stage([stage_memory(arch, lay, cluster, st, st.counts, None if params is None else params[i],
+                                           activations) for i, st in enumerate(stages)])
+
+
+def largest_stage(mem: list[dict[str, Values]], rows: Optional[list[Rows]] = None) -> DeviceMemory:
+    """`DeviceMemory` of the largest of the stages' `stage_memory` components (ties: the earlier);
+    `rows`: the candidates each stage's components are given for (`perfmodel.choice`; None: all)."""
+    rows = [None] * len(mem) if rows is None else rows
+    totals = [sum(m[k] for k in MEMORY_COMPONENTS) for m in mem]
+    index, best = choice.largest(totals, rows)
+    total = np.asarray(best, dtype=float)
+    largest_stage = choice.Chosen(index, rows)
+    breakdown = {k: np.broadcast_to(largest_stage.of([m[k] for m in mem]), total.shape).astype(float)
                  for k in MEMORY_COMPONENTS}
-    return DeviceMemory(total, breakdown, np.asarray(last_bigger))
+    return DeviceMemory(total, breakdown, np.asarray(index))

@@ -22,12 +22,32 @@ Conventions and sources
   convention counts; its backward executes 5 matmuls to the forward's 2
   (2.5x). It never stores the s x s score matrix. It runs in bf16 even when the
   GEMMs run in fp8 (Transformer Engine's default; FP8 attention is opt-in).
-- MoE (Megatron-Core alltoall token dispatcher): tokens are split over tp before
-  routing (Megatron-Core requires sequence parallel for MoE with tp > 1), each
-  rank routes its T/tp tokens to top_k experts, permutes the copies, sends them
-  over the ep group, runs E/ep local experts as one grouped GEMM (etp splits
-  d_expert, tokens all-gathered over etp), returns and un-permutes them. The
-  busiest rank receives `MOE_LOAD_FACTOR` times the mean.
+- MoE (Megatron-Core token dispatchers, the layout's `dispatcher`): tokens are split
+  over tp before routing (Megatron-Core requires sequence parallel for MoE with tp > 1),
+  each rank routes its T/tp tokens to top_k experts and
+    alltoall   permutes the copies, sends them over the ep group, runs E/ep local
+               experts as one grouped GEMM (etp splits d_expert, tokens all-gathered
+               over etp), returns and un-permutes them;
+    allgather  all-gathers the tokens and their routing (bool map + fp32 probabilities,
+               5 bytes per token and expert) over the etp*ep group, selects (permutes)
+               its local experts' copies, and reduce-scatters the scatter-added output;
+    deepep /   sends each token once per destination rank (fused dispatch/combine
+    hybridep   kernels priced from measurements, `perfmodel.dispatch`); deepep permutes
+               the received rows into expert order on the rank, hybridep fuses that.
+  The busiest expert-parallel rank receives f times the mean copies, f the expected
+  maximum of the uniform-routing model (`perfmodel.routing.busiest_load_factor`, of E,
+  top_k, ep and the etp*ep*T/tp tokens of one micro-batch in the group). A capacity
+  factor c caps each expert at c times its mean (rows min(f, c)), or pads every expert
+  to it (rows c); the tokens it drops are `routing.dropped_fraction`.
+- Multi-head latent attention (`mla_attention_ops`, Megatron-Core `MLASelfAttention`): the
+  down projections (replicated weights) run on the rank's sequence shard, the compressed
+  latents are gathered over tp (sequence parallel) and normed, the up projections split
+  heads over tp, the core runs with query/key heads of head_dim and value heads of
+  v_head_dim. Selective recompute of an MLA layer also recomputes the up projections
+  (Megatron's `mla_up_proj`, with `core_attn`): their outputs Q, K, V are not stored.
+- Multi-token prediction (`mtp_ops`, one block per module on the last stage): two norms and
+  the 2h -> h projection; its layer, second LM head and embedding lookup are the
+  attention / FFN / head / embedding blocks again (`perfmodel.tables` sums them).
 - Shared experts and the dense FFN are tp-split like a Megatron MLP.
 - Dropout is not modelled (LLaMA/Mixtral/DeepSeek pre-training uses none).
 - Element sizes: activations 2 B (4 B for fp32 training); GEMM operands 1 B
@@ -61,7 +81,10 @@ from typing import Any, Union
 
 import numpy as np
 
-from perfmodel.specs.layout import DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES
+from perfmodel.memo import memoised, memoised_last
+from perfmodel.routing import busiest_load_factor, dropped_fraction
+from perfmodel.specs.architecture import uses_mla
+from perfmodel.specs.layout import DISPATCHERS, DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES
 from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 
 PHASES = ("fwd", "dgrad", "wgrad")
@@ -75,12 +98,14 @@ elementwise/permutation kernels (norms, activations, residuals, softmax, fp8 cas
 
 BLOCKS = ("attention", "dense_ffn", "moe", "embedding", "head")
 
-MOE_LOAD_FACTOR = 1.25
-"""Tokens the busiest expert-parallel rank receives, relative to the mean.
-Switch Transformer trains with capacity factor 1.25 (Fedus et al. 2022, sec. 2.2
-and Table 1: 1.0-1.25 suffice); a dropless router with a load-balancing loss
-reaches a similar max/mean per rank. Used for expert GEMMs, their activations
-and the all-to-all volume; refit by `mosaic calibrate --from-runs`."""
+FUSED_CALLS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd")
+"""The fused dispatcher's calls per MoE layer and micro-batch (`perfmodel.dispatch`)."""
+ROUTING_BYTES_PER_EXPERT = 5.0
+"""The allgather dispatcher gathers each token's routing map (1 byte per expert, bool) and
+probabilities (4 bytes per expert, fp32) with its hidden state (Megatron-Core
+`MoEAllGatherTokenDispatcher`)."""
+MLA_UP_OPS = ("q_norm", "q_up", "kv_norm", "kv_up", "mla_rope")
+"""The MLA ops selective recompute repeats (Megatron's `mla_up_proj` module) besides the core."""
 
 FLASH_BWD_FACTOR = 2.5
 """FlashAttention-2 backward executes 5 matmuls to the forward's 2 (Dao 2023, sec. 3.1)."""
@@ -114,16 +139,23 @@ def dp_flavor_code(lay: LayoutLike) -> Union[int, np.ndarray]:
     return _code(lay.dp_flavor, DP_FLAVORS)
 
 
+def dispatcher_code(lay: LayoutLike) -> Union[int, np.ndarray]:
+    return _code(lay.dispatcher, DISPATCHERS)
+
+
 FP32, BF16, FP16, FP8, MXFP8 = (PRECISIONS.index(p) for p in ("fp32", "bf16", "fp16", "fp8", "mxfp8"))
 NONE, SELECTIVE, FULL = (RECOMPUTE_MODES.index(r) for r in ("none", "selective", "full"))
 DDP, ZERO1, FSDP = (DP_FLAVORS.index(f) for f in ("ddp", "zero1", "fsdp"))
+ALLTOALL, ALLGATHER, DEEPEP, HYBRIDEP = (DISPATCHERS.index(d) for d in ("alltoall", "allgather", "deepep", "hybridep"))
 
 
+@memoised
 def activation_bytes(lay: LayoutLike) -> Values:
     """Bytes per activation element: 4 for fp32 training, else 2 (bf16)."""
     return np.where(precision_code(lay) == FP32, 4.0, 2.0)
 
 
+@memoised
 def fp8_cast_bytes_per_element(lay: LayoutLike) -> tuple[Values, Values]:
     """(HBM bytes, kernels) per quantised element under fp8 (current scaling) and mxfp8;
     0 for other precisions (see the module doc, "FP8 casts")."""
@@ -133,11 +165,13 @@ def fp8_cast_bytes_per_element(lay: LayoutLike) -> tuple[Values, Values]:
     return nbytes, np.where(code == FP8, 2.0, np.where(code == MXFP8, 1.0, 0.0))
 
 
+@memoised
 def gemm_operand_bytes(lay: LayoutLike) -> Values:
     """Bytes per GEMM operand element: 1 under fp8/mxfp8, else the activation size."""
     return np.where(precision_code(lay) >= FP8, 1.0, activation_bytes(lay))
 
 
+@memoised
 def weight_bytes(lay: LayoutLike) -> Values:
     """Bytes per parameter of the model weights: fp32 4; bf16/fp16 2; fp8 keeps the
     bf16 weight plus a 1-byte fp8 copy (Transformer Engine) = 3."""
@@ -157,11 +191,17 @@ class Op:
     flops: tuple[Values, Values, Values]
     bytes: tuple[Values, Values, Values]
     kernels: tuple[Values, Values, Values]
-    kernel_flops: tuple[Values, Values, Values]
+    shape: tuple[Values, Values, Values]
+    """What its efficiency is read at: a GEMM's forward (m, n, k) of one group (m rows, n
+    outputs, k the reduction; each phase's own dims follow, `kernels.forms.phase_dims`); the
+    attention core's (sequence length, head dim, 0); a memory-bound kernel's (0, 0, 0)."""
     overlappable: bool
     size_phase: int = 0
-    """The phase whose kernel size sets the efficiencies of all three (the forward,
+    """A memory-bound op's phase whose bytes per kernel set its efficiency (the forward,
     unless the op has no forward work, like a cast that only exists backward)."""
+    memory_class: str = "copy"
+    """The kernel class of a memory-bound op (`kernels.forms.MEMORY_CLASSES`); a GEMM's
+    operand streams are priced as copies."""
 
     def row(self, i: int | None = None) -> dict[str, Any]:
         """Plain numbers (of candidate i for a batch) for tables and JSON."""
@@ -207,16 +247,27 @@ def _gemm(name: str, block: str, kind: str, m: Values, k: Values, n: Values, b_i
     fwd_bytes = b_in * (m * k + weights) + b_out * m * n
     dgrad_bytes = b_in * (m * n + weights) + b_out * m * k
     wgrad_bytes = b_in * (m * k + m * n) + 2 * FP32_GRAD_BYTES * weights
-    size = flops / groups
     return Op(name, block, kind, (flops, flops, flops), (fwd_bytes, dgrad_bytes, wgrad_bytes),
-              (groups, groups, groups), (size, size, size), True)
+              (groups, groups, groups), (m / groups, n, k), True)
+
+
+MEMORY_CLASS_OF = {
+    "attn_norm": "norm", "ffn_norm": "norm", "moe_norm": "norm", "final_norm": "norm",
+    "ffn_act": "activation", "expert_act": "activation", "shared_act": "activation",
+    "permute": "permute", "unpermute_combine": "permute", "embedding": "permute",
+    "cross_entropy": "cross_entropy", "fp8_cast": "cast",
+}
+"""Memory-bound op -> its kernel class (the rest: elementwise: residual adds, RoPE, router softmax,
+top-k and load-balancing loss)."""
 
 
 def _memory(name: str, block: str, fwd_bytes: Values, bwd_bytes: Values, kernels_fwd: Values = 1.0,
-            kernels_bwd: Values = 1.0, size_phase: int = 0) -> Op:
-    """A bandwidth-bound kernel (its few FLOPs per element are not the limit)."""
+            kernels_bwd: Values = 1.0, size_phase: int = 0, memory_class: str | None = None) -> Op:
+    """A bandwidth-bound kernel (its few FLOPs per element are not the limit) of `memory_class`
+    (default: MEMORY_CLASS_OF[name], else elementwise)."""
+    cls = memory_class or MEMORY_CLASS_OF.get(name, "elementwise")
     return Op(name, block, "memory", (0.0, 0.0, 0.0), (fwd_bytes, bwd_bytes, 0.0),
-              (kernels_fwd, kernels_bwd, 0.0), (0.0, 0.0, 0.0), False, size_phase)
+              (kernels_fwd, kernels_bwd, 0.0), (0.0, 0.0, 0.0), False, size_phase, cls)
 
 
 def _fp8_cast(block: str, lay: LayoutLike, fwd_elements: Values, bwd_elements: Values, casts_fwd: Values,
@@ -228,17 +279,11 @@ def _fp8_cast(block: str, lay: LayoutLike, fwd_elements: Values, bwd_elements: V
                    size_phase=1 if np.ndim(casts_fwd) == 0 and casts_fwd == 0 else 0)
 
 
-_SHAPES_CACHE: list[Any] = [None, None, None]
-
-
+@memoised_last
 def shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
-    """Token counts and widths (see `_shapes`), memoised for the last (arch, lay) pair."""
-    cache = _SHAPES_CACHE
-    if cache[0] is arch and cache[1] is lay:
-        return cache[2]
-    out = _shapes(arch, lay)
-    cache[:] = [arch, lay, out]
-    return out
+    """Token counts and widths (see `_shapes`), once per (arch, lay) in an evaluation and for the last
+    pair outside one (`perfmodel.memo`)."""
+    return _shapes(arch, lay)
 
 
 def _shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
@@ -247,10 +292,15 @@ def _shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
     T      tokens of the micro-batch on this rank: mbs * s / cp
     T_sp   tokens a norm/residual sees: T / tp with sequence parallel, else T
     T_moe  tokens this rank routes: T / tp (MoE layers are sequence-parallel)
-    M_exp  rows of the grouped expert GEMM on the busiest rank:
-           etp * T_moe * top_k * MOE_LOAD_FACTOR
     M_mean rows an expert-parallel rank receives on average: etp * T_moe * top_k
            (what its stored activations add up to over many layers, see memory.py)
+    load   f, the busiest rank's rows over the mean (`routing.busiest_load_factor` of E, k,
+           ep and etp * ep * T_moe tokens)
+    rows   rows of the busiest rank over the mean: f dropless; min(f, c) with capacity factor
+           c; c when padded to capacity
+    M_exp  rows of the grouped expert GEMM on the busiest rank: M_mean * rows
+    M_kept rows a rank stores on average: M_mean, times (1 - dropped) with a capacity, c padded
+    drop   fraction of the copies a capacity factor drops (`routing.dropped_fraction`)
     """
     f = np.asarray
     tp, cp, etp, ep = (f(getattr(lay, n), dtype=float) for n in ("tp", "cp", "etp", "ep"))
@@ -263,6 +313,14 @@ def _shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
     b = activation_bytes(lay)
     t_sp = np.where(sp, tokens / tp, tokens)
     h = f(arch.d_model, dtype=float)
+    k = f(arch.top_k, dtype=float)
+    capacity = f(lay.capacity_factor if lay.capacity_factor is not None else 0.0, dtype=float)
+    pad = f(lay.pad_to_capacity, dtype=bool)
+    load = busiest_load_factor(n_experts, k, ep, etp * ep * t_moe)
+    drop = dropped_fraction(n_experts, k, t_moe, capacity)
+    capped = capacity > 0
+    rows = np.where(capped, np.where(pad, capacity, np.minimum(load, capacity)), load)
+    m_mean = etp * t_moe * k
     return {
         "b": b,
         "norm_fwd_bytes": 2.0 * b * t_sp * h,
@@ -270,8 +328,12 @@ def _shapes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
         "T": tokens,
         "T_sp": t_sp,
         "T_moe": t_moe,
-        "M_exp": etp * t_moe * f(arch.top_k, dtype=float) * MOE_LOAD_FACTOR,
-        "M_mean": etp * t_moe * f(arch.top_k, dtype=float),
+        "M_exp": m_mean * rows,
+        "M_mean": m_mean,
+        "M_kept": m_mean * np.where(capped, np.where(pad, capacity, 1.0 - drop), 1.0),
+        "load": load,
+        "rows": rows,
+        "drop": drop,
         "E_local": np.maximum(n_experts / ep, 1.0),
         "h": h,
         "h_q": h_q,
@@ -292,7 +354,85 @@ def _act_bytes(gated: Values, rows: Values, width: Values, b: Values) -> tuple[V
     return fwd, bwd
 
 
+def only_where(ops: list[Op], on: Values) -> list[Op]:
+    """The ops with every phase's work scaled by `on` (1 where the candidate runs them, 0 where
+    not): one op list serves a batch that mixes, e.g., standard and latent attention."""
+    def scale(values: tuple[Values, Values, Values]) -> tuple[Values, Values, Values]:
+        return tuple(v * on for v in values)  # type: ignore[return-value]
+    return [replace(op, flops=scale(op.flops), bytes=scale(op.bytes), kernels=scale(op.kernels)) for op in ops]
+
+
 def attention_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
+    """Input norm, QKV projection, RoPE, flash-attention core, output projection, residual
+    (`mha_attention_ops`), or multi-head latent attention's (`mla_attention_ops`)."""
+    mla = np.asarray(uses_mla(arch))
+    if not mla.any():
+        return mha_attention_ops(arch, lay)
+    if mla.all():
+        return mla_attention_ops(arch, lay)
+    on = mla.astype(float)
+    return only_where(mha_attention_ops(arch, lay), 1.0 - on) + only_where(mla_attention_ops(arch, lay), on)
+
+
+def mla_widths(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]:
+    """MLA widths per token on one rank: heads H, query/key head d_q, rope d_r, value d_v, ranks
+    r_q, r_kv; has_q (r_q > 0); latent = what the up projections read and tp gathers
+    ((r_q or h) + r_kv + d_r); col = the up projections' input width whose gradient tp reduces."""
+    f = np.asarray
+    h = f(arch.d_model, dtype=float)
+    r_q = f(arch.q_lora_rank, dtype=float)
+    r_kv = f(arch.kv_lora_rank, dtype=float)
+    d_r = f(arch.qk_rope_head_dim, dtype=float)
+    has_q = r_q > 0
+    q_in = np.where(has_q, r_q, h)
+    return {"H": f(arch.n_heads, dtype=float), "d_q": f(arch.head_dim, dtype=float), "d_r": d_r,
+            "d_v": f(arch.v_head_dim, dtype=float), "r_q": r_q, "r_kv": r_kv, "has_q": has_q,
+            "latent": q_in + r_kv + d_r, "col": q_in + r_kv + d_r}
+
+
+def mla_attention_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
+    """Multi-head latent attention (module doc): norm, q down (r_q > 0; replicated weight, on
+    the T_sp shard) + latent norm + q up, or the direct q projection; kv down, latent norm, kv
+    up; RoPE on the rope parts; the flash core (scores over d_q, values over d_v); output
+    projection; fp8 casts; residual."""
+    sh = shapes(arch, lay)
+    w = mla_widths(arch, lay)
+    b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
+    T, T_sp, h, tp = sh["T"], sh["T_sp"], sh["h"], sh["tp"]
+    H, d_q, d_r, d_v, r_q, r_kv = w["H"], w["d_q"], w["d_r"], w["d_v"], w["r_q"], w["r_kv"]
+    q_lora = w["has_q"].astype(float)
+    q_heads = H * d_q / tp
+    core_fwd = 2.0 * CAUSAL_FRACTION * T * sh["s"] * H * (d_q + d_v) / tp
+    core_fwd_bytes = b * T * H * (2.0 * d_q + 2.0 * d_v) / tp + 4.0 * T * H / tp
+    core_bwd_bytes = b * T * H * (4.0 * d_q + 4.0 * d_v) / tp + 4.0 * T * H / tp
+    # the flash-attention kernel runs at the query/key head dim (d_q, rope part included)
+    core = Op("core_attention", "attention", "attention", (core_fwd, FLASH_BWD_FACTOR * core_fwd, 0.0),
+              (core_fwd_bytes, core_bwd_bytes, 0.0), (1.0, 2.0, 0.0), (sh["s"] / sh["cp"], d_q, 0.0), True)
+    rope_bytes = 2.0 * b * T * (H * d_r / tp + d_r)
+    q_ops = only_where([_gemm("q_down", "attention", "gemm", T_sp, h, r_q, b_in, b),
+                        _memory("q_norm", "attention", 2.0 * b * T * r_q, 3.0 * b * T * r_q),
+                        _gemm("q_up", "attention", "gemm", T, r_q, q_heads, b_in, b)], q_lora)
+    q_ops += only_where([_gemm("q_proj", "attention", "gemm", T, h, q_heads, b_in, b)], 1.0 - q_lora)
+    # fp8 casts: forward the inputs of the GEMMs without a fused norm (both down projections or
+    # the direct q projection, the output projection); backward every projection's output gradient
+    fwd_cast = np.where(w["has_q"], 2.0 * T_sp * h, T * h + T_sp * h) + T * H * d_v / tp
+    bwd_cast = (np.where(w["has_q"], T_sp * r_q, 0.0) + T_sp * (r_kv + d_r) + T * q_heads
+                + T * H * (d_q - d_r + d_v) / tp + T * h)
+    return [
+        _memory("attn_norm", "attention", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
+        *q_ops,
+        _gemm("kv_down", "attention", "gemm", T_sp, h, r_kv + d_r, b_in, b),
+        _memory("kv_norm", "attention", 2.0 * b * T * r_kv, 3.0 * b * T * r_kv),
+        _gemm("kv_up", "attention", "gemm", T, r_kv, H * (d_q - d_r + d_v) / tp, b_in, b),
+        _memory("mla_rope", "attention", rope_bytes, rope_bytes),
+        core,
+        _gemm("out_proj", "attention", "gemm", T, H * d_v / tp, h, b_in, b),
+        _fp8_cast("attention", lay, fwd_cast, bwd_cast, 3.0, 4.0 + q_lora),
+        _memory("attn_residual", "attention", sh["norm_bwd_bytes"], sh["norm_bwd_bytes"]),
+    ]
+
+
+def mha_attention_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
     """Input norm, QKV projection, RoPE, flash-attention core, output projection, residual."""
     sh = shapes(arch, lay)
     b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
@@ -301,9 +441,9 @@ def attention_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
     core_fwd = 4.0 * CAUSAL_FRACTION * T * sh["s"] * h_q / tp
     core_fwd_bytes = b * T * (2.0 * h_q + 2.0 * h_kv) / tp + 4.0 * T * sh["heads"] / tp
     core_bwd_bytes = b * T * (4.0 * h_q + 4.0 * h_kv) / tp + 4.0 * T * sh["heads"] / tp
+    head_dim = np.asarray(arch.head_dim, dtype=float)
     core = Op("core_attention", "attention", "attention", (core_fwd, FLASH_BWD_FACTOR * core_fwd, 0.0),
-              (core_fwd_bytes, core_bwd_bytes, 0.0), (1.0, 2.0, 0.0),
-              (core_fwd, FLASH_BWD_FACTOR * core_fwd / 2.0, 0.0), True)
+              (core_fwd_bytes, core_bwd_bytes, 0.0), (1.0, 2.0, 0.0), (sh["s"] / sh["cp"], head_dim, 0.0), True)
     return [
         _memory("attn_norm", "attention", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
         _gemm("qkv_proj", "attention", "gemm", T, h, (h_q + 2.0 * h_kv) / tp, b_in, b),
@@ -358,6 +498,24 @@ def moe_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
     act_f, act_b = _act_bytes(gated, M, d_local, b)
     copies = T_moe * k
     permute_bytes = 2.0 * b * copies * h
+    unpermute_fwd, unpermute_bwd = b * (2.0 * copies + T_moe) * h, b * (3.0 * copies + T_moe) * h
+    permute_kernels, unpermute_kernels = (2.0, 2.0), (2.0, 3.0)
+    code = np.asarray(dispatcher_code(lay))
+    if np.any(code != ALLTOALL):
+        # allgather: select the local experts' copies from the gathered tokens and scatter-add them
+        # back; deepep: put the received rows into expert order and combine the copies into them;
+        # hybridep: both fused into its kernels (module doc)
+        gathered = sh["etp"] * sh["ep"] * T_moe
+        received = np.asarray(fused_received_rows(arch, lay), dtype=float)
+        permute_bytes = np.where(code == ALLTOALL, permute_bytes, np.where(code == HYBRIDEP, 0.0, 2.0 * b * M * h))
+        rows_back = np.where(code == ALLGATHER, gathered, received)
+        unpermute_fwd = np.where(code == ALLTOALL, unpermute_fwd,
+                                 np.where(code == HYBRIDEP, 0.0, b * (2.0 * M + rows_back) * h))
+        unpermute_bwd = np.where(code == ALLTOALL, unpermute_bwd,
+                                 np.where(code == HYBRIDEP, 0.0, b * (3.0 * M + rows_back) * h))
+        fused_permute = np.where(code == HYBRIDEP, 0.0, 1.0)
+        permute_kernels = (2.0 * fused_permute, 2.0 * fused_permute)
+        unpermute_kernels = (2.0 * fused_permute, 3.0 * fused_permute)
     ops = [
         _memory("moe_norm", "moe", sh["norm_fwd_bytes"], sh["norm_bwd_bytes"]),
         _gemm("router", "moe", "gemm_hp", T_moe, h, E, b, 4.0),
@@ -367,13 +525,12 @@ def moe_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
         # tokens per expert from the routing map (T·E·1), sum of scores over tokens (T·E·4);
         # backward: broadcast the gradient (write 4) and the softmax backward (read 8, write 4)
         _memory("router_aux_loss", "moe", 13.0 * T_moe * E, 16.0 * T_moe * E, 4.0, 2.0),
-        _memory("permute", "moe", permute_bytes, permute_bytes, 2.0, 2.0),
+        _memory("permute", "moe", permute_bytes, permute_bytes, *permute_kernels),
         _gemm("expert_up", "moe", "expert_gemm", M, h, np.where(gated, 2.0, 1.0) * d_local, b_in, b,
               groups=sh["E_local"]),
         _memory("expert_act", "moe", act_f, act_b),
         _gemm("expert_down", "moe", "expert_gemm", M, d_local, h, b_in, b, groups=sh["E_local"]),
-        _memory("unpermute_combine", "moe", b * (2.0 * copies + T_moe) * h, b * (3.0 * copies + T_moe) * h,
-                2.0, 3.0),
+        _memory("unpermute_combine", "moe", unpermute_fwd, unpermute_bwd, *unpermute_kernels),
     ]
     shared_width = np.asarray(arch.n_shared_experts, dtype=float) * np.asarray(arch.d_expert, dtype=float)
     ops += _mlp_ops("shared", "moe", sh, shared_width, b, b_in)
@@ -415,20 +572,49 @@ def head_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
     ]
 
 
+def fused_received_rows(arch: ArchLike, lay: LayoutLike) -> Values:
+    """Token rows the busiest rank receives from a deduplicating dispatch (each token once per
+    destination rank holding one of its experts): ep T_moe p_rank(E, k, ep) rows
+    (`perfmodel.routing.ranks_hit_probability`)."""
+    from perfmodel.routing import ranks_hit_probability
+
+    sh = shapes(arch, lay)
+    return (sh["ep"] * sh["T_moe"] * ranks_hit_probability(np.asarray(arch.n_experts, dtype=float),
+                                                           np.asarray(arch.top_k, dtype=float), sh["ep"]) * sh["rows"])
+
+
+def mtp_ops(arch: ArchLike, lay: LayoutLike) -> list[Op]:
+    """The MTP module's own ops (DeepSeek-V3 sec. 2.2; Megatron-Core `MultiTokenPredictionLayer`):
+    norms of the shifted tokens' embeddings and of the hidden states, the 2h -> h projection
+    (column-parallel over tp). Its layer, LM head and embedding lookup are priced as those
+    blocks (`perfmodel.tables`)."""
+    sh = shapes(arch, lay)
+    b, b_in = activation_bytes(lay), gemm_operand_bytes(lay)
+    T, h, tp = sh["T"], sh["h"], sh["tp"]
+    return [
+        _memory("mtp_norms", "mtp", 2.0 * sh["norm_fwd_bytes"], 2.0 * sh["norm_bwd_bytes"], 2.0, 2.0),
+        _gemm("mtp_proj", "mtp", "gemm", T, 2.0 * h, h / tp, b_in, b),
+        _fp8_cast("mtp", lay, T * 2.0 * h, T * h / tp, 1.0, 1.0),
+    ]
+
+
 def layer_ops(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Op]]:
     """Every operator per block, for one micro-batch on one device: the explanation table.
 
     Blocks: attention (every layer), dense_ffn (dense layers), moe (routed layers),
-    embedding (first pipeline stage), head (last stage). Counts per stage are in
-    `perfmodel.schedule.stage_layer_counts`.
+    embedding (first pipeline stage), head (last stage), mtp (the MTP modules' own ops, when
+    the model has them). Counts per stage are in `perfmodel.schedule.pipeline_stages`.
     """
-    return {
+    out = {
         "attention": attention_ops(arch, lay),
         "dense_ffn": dense_ffn_ops(arch, lay),
         "moe": moe_ops(arch, lay),
         "embedding": embedding_ops(arch, lay),
         "head": head_ops(arch, lay),
     }
+    if np.any(np.asarray(arch.n_mtp_layers) > 0):
+        out["mtp"] = mtp_ops(arch, lay)
+    return out
 
 
 def layer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]]:
@@ -438,9 +624,13 @@ def layer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]]:
       projection) and one backward (Megatron); with sequence parallel it is a
       reduce-scatter + all-gather of the same bytes, priced as one all-reduce.
     - moe: all-to-all dispatch and combine forward, the same two backward, each
-      sending T_moe*top_k*h elements times MOE_LOAD_FACTOR (busiest rank); with
-      etp > 1 an all-gather before and a reduce-scatter after the experts over
-      etp; shared experts gather/scatter their tokens over tp like an MLP.
+      sending T_moe*top_k*h elements times the busiest rank's rows factor (`shapes`);
+      with etp > 1 an all-gather before and a reduce-scatter after the experts over
+      etp; shared experts gather/scatter their tokens over tp like an MLP. The
+      allgather and fused dispatchers' collectives instead (module doc).
+    - attention with MLA: tp gathers the latents (q, kv, rope) and reduce-scatters the
+      output with sequence parallel; without it all-reduces the output forward and the
+      latents' gradient backward; cp exchanges K (head_dim) and V (v_head_dim) of every head.
     - attention with cp > 1: ring exchange of K and V (all-gather of cp chunks)
       forward, K/V again plus their gradients (reduce-scatter) backward.
     - embedding: without sequence parallel an all-reduce of the looked-up rows, with
@@ -455,15 +645,52 @@ def layer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]]:
     T, h, tp = sh["T"], sh["h"], sh["tp"]
     hidden = b * T * h
     k = np.asarray(arch.top_k, dtype=float)
-    a2a = b * sh["T_moe"] * k * h * MOE_LOAD_FACTOR
+    a2a = b * sh["T_moe"] * k * h * sh["rows"]
     etp_buf = b * sh["M_exp"] * h
+    code = np.asarray(dispatcher_code(lay))
+    dispatch_comms: list[Comm] = []
+    if np.any(code != ALLTOALL):
+        # allgather: tokens + routing gathered over etp*ep, the scatter-added output reduce-scattered
+        # back (and the reverse in backward); fused: the 4 calls, priced from measured figures by
+        # `perfmodel.tables` (`perfmodel.dispatch`), their bytes a 0/1 marker here
+        a2a = np.where(code == ALLTOALL, a2a, 0.0)
+        etp_buf = np.where(code == ALLGATHER, 0.0, etp_buf)
+        gathered = sh["etp"] * sh["ep"] * sh["T_moe"]
+        ag = np.where(code == ALLGATHER, 1.0, 0.0)
+        tokens_ag = ag * b * gathered * h
+        routing_ag = ag * ROUTING_BYTES_PER_EXPERT * gathered * np.asarray(arch.n_experts, dtype=float)
+        fused = np.where((code == DEEPEP) | (code == HYBRIDEP), 1.0, 0.0) * np.where(sh["ep"] > 1, 1.0, 0.0)
+        dispatch_comms = [Comm("ep_gather_fwd", "moe", "ep_etp", "all_gather", "fwd", tokens_ag + routing_ag),
+                          Comm("ep_scatter_fwd", "moe", "ep_etp", "reduce_scatter", "fwd", tokens_ag),
+                          Comm("ep_gather_bwd", "moe", "ep_etp", "all_gather", "bwd", tokens_ag),
+                          Comm("ep_scatter_bwd", "moe", "ep_etp", "reduce_scatter", "bwd", tokens_ag),
+                          *(Comm(f"ep_fused_{name}", "moe", "ep", "fused", name.rsplit("_", 1)[1], fused)
+                            for name in FUSED_CALLS)]
     kv = b * sh["cp"] * T * 2.0 * sh["h_kv"] / tp
     shared = np.where(np.asarray(arch.n_shared_experts) > 0, hidden, 0.0)
-    attn = [Comm("tp_attn_fwd", "attention", "tp", "all_reduce", "fwd", hidden),
-            Comm("tp_attn_bwd", "attention", "tp", "all_reduce", "bwd", hidden),
+    mla = np.asarray(uses_mla(arch))
+    attn_hidden = hidden
+    mla_comms: list[Comm] = []
+    if mla.any():
+        # MLA: K and V of every head cross the cp ring; tp gathers the latents (sequence
+        # parallel) or reduces their gradients (not), and reduces the output projection's output
+        w = mla_widths(arch, lay)
+        kv = np.where(mla, b * sh["cp"] * T * w["H"] * (w["d_q"] + w["d_v"]) / tp, kv)
+        attn_hidden = np.where(mla, 0.0, hidden)
+        on_sp = np.where(mla & sh["sp"], 1.0, 0.0)
+        off_sp = np.where(mla & ~sh["sp"], 1.0, 0.0)
+        latent, out = on_sp * b * T * w["latent"], on_sp * hidden
+        mla_comms = [Comm("tp_mla_latent_fwd", "attention", "tp", "all_gather", "fwd", latent),
+                     Comm("tp_mla_out_fwd", "attention", "tp", "reduce_scatter", "fwd", out),
+                     Comm("tp_mla_latent_bwd", "attention", "tp", "reduce_scatter", "bwd", latent),
+                     Comm("tp_mla_out_bwd", "attention", "tp", "all_gather", "bwd", out),
+                     Comm("tp_mla_fwd", "attention", "tp", "all_reduce", "fwd", off_sp * hidden),
+                     Comm("tp_mla_bwd", "attention", "tp", "all_reduce", "bwd", off_sp * b * T * w["col"])]
+    attn = [Comm("tp_attn_fwd", "attention", "tp", "all_reduce", "fwd", attn_hidden),
+            Comm("tp_attn_bwd", "attention", "tp", "all_reduce", "bwd", attn_hidden),
             Comm("cp_kv_fwd", "attention", "cp", "all_gather", "fwd", kv),
             Comm("cp_kv_bwd", "attention", "cp", "all_gather", "bwd", kv),
-            Comm("cp_dkv_bwd", "attention", "cp", "reduce_scatter", "bwd", kv)]
+            Comm("cp_dkv_bwd", "attention", "cp", "reduce_scatter", "bwd", kv)] + mla_comms
     dense = [Comm("tp_ffn_fwd", "dense_ffn", "tp", "all_reduce", "fwd", hidden),
              Comm("tp_ffn_bwd", "dense_ffn", "tp", "all_reduce", "bwd", hidden)]
     moe = [Comm("ep_dispatch_fwd", "moe", "ep", "all_to_all", "fwd", a2a),
@@ -475,7 +702,7 @@ def layer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]]:
            Comm("etp_gather_bwd", "moe", "etp", "all_gather", "bwd", etp_buf),
            Comm("etp_scatter_bwd", "moe", "etp", "reduce_scatter", "bwd", etp_buf),
            Comm("tp_shared_fwd", "moe", "tp", "all_reduce", "fwd", shared),
-           Comm("tp_shared_bwd", "moe", "tp", "all_reduce", "bwd", shared)]
+           Comm("tp_shared_bwd", "moe", "tp", "all_reduce", "bwd", shared)] + dispatch_comms
     sp_hidden = np.where(sh["sp"], hidden, 0.0)
     no_sp_hidden = np.where(sh["sp"], 0.0, hidden)
     embedding = [Comm("tp_embedding_fwd", "embedding", "tp", "all_reduce", "fwd", no_sp_hidden),
@@ -484,7 +711,11 @@ def layer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]]:
             Comm("tp_head_scatter_bwd", "head", "tp", "reduce_scatter", "bwd", sp_hidden),
             Comm("tp_head_reduce_bwd", "head", "tp", "all_reduce", "bwd", no_sp_hidden),
             *(Comm(f"tp_cross_entropy_{i}_fwd", "head", "tp", "all_reduce", "fwd", 4.0 * T) for i in range(3))]
-    return {"attention": attn, "dense_ffn": dense, "moe": moe, "embedding": embedding, "head": head}
+    out = {"attention": attn, "dense_ffn": dense, "moe": moe, "embedding": embedding, "head": head}
+    if np.any(np.asarray(arch.n_mtp_layers) > 0):  # the MTP projection's tp reduction, as an MLP's
+        out["mtp"] = [Comm("tp_mtp_fwd", "mtp", "tp", "all_reduce", "fwd", hidden),
+                      Comm("tp_mtp_bwd", "mtp", "tp", "all_reduce", "bwd", hidden)]
+    return out
 
 
 def eager_trainer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]]:
@@ -542,4 +773,5 @@ def eager_trainer_comms(arch: ArchLike, lay: LayoutLike) -> dict[str, list[Comm]
         "embedding": megatron("embedding") + [tp("eager_tp_embedding_fwd", "embedding", "all_reduce", "fwd", hidden)],
         "head": megatron("head") + [tp("eager_tp_logits_fwd", "head", "all_gather", "fwd", logits),
                                     tp("eager_tp_head_bwd", "head", "all_reduce", "bwd", hidden)],
+        **({"mtp": megatron("mtp")} if "mtp" in base else {}),
     }

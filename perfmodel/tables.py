@@ -5,40 +5,61 @@ and per layer of the block:
 - time per category (compute, attention, expert_gemm) and phase (fwd; bwd =
   dgrad + wgrad), each op priced by `op_times` (roofline with efficiencies);
 - the overlappable time (GEMMs, attention: what communication may hide
-  behind), the kernels launched, the attention core's forward (what selective
-  recompute repeats);
+  behind), the kernels launched, the attention core's forward, and what selective
+  recompute repeats (the core; with MLA also the up projections, `operators.MLA_UP_OPS`);
 - communication seconds per class (tp, cp, ep; etp counts as ep) and phase, and
   the collective launches, from the host's collective list (`comms_of`:
-  `perfmodel.host.HostDispatch.block_comms`) priced by `perfmodel.comm.CollectivePricer`.
+  `perfmodel.host.HostDispatch.block_comms`) priced by `perfmodel.comm.CollectivePricer`;
+  the fused dispatchers' calls by `perfmodel.dispatch.fused_dispatch_times` (their compute
+  share `ep_sm_fraction`, and `dispatch_missing` where the cluster has no figures);
+- the MTP block: its own ops plus one attention, FFN (MoE when the model has MoE layers),
+  LM head and embedding block, summed entry by entry.
 
-A planner grid repeats few distinct tables (geometries x layouts): rows equal in
-TABLE_ARCH_FIELDS, TABLE_LAYOUT_FIELDS and devices share one table row
-(`table_groups`, exact). `StageBlocks` sums a table entry over the blocks one
-pipeline stage holds.
+Each block's table is a function of a few fields (TOKEN_FIELDS and the block's GROUPED_BLOCKS
+fields: the attention block of the model's width, heads and sequence, and of tp, cp, mbs,
+sequence parallel and precision, but not of its experts or pipeline) and of the ranks' core
+share: candidates equal in those share the block's table row (`block_groups`, exact), so a
+batch prices each distinct attention, dense FFN and MoE block once (a planner grid: few
+geometries x layouts; a random batch still repeats its attention and dense FFN blocks). `StageBlocks` sums a table entry over the blocks one pipeline stage
+holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional, Union
+from dataclasses import replace
+from typing import Optional
 
 import numpy as np
 
+from perfmodel.choice import select
 from perfmodel.comm import CollectivePricer
+from perfmodel.dispatch import FP8_DISPATCH_BYTES, fused_dispatch_times
+from perfmodel.grouping import pack_columns, row_groups
 from perfmodel.hardware import HardwareView
 from perfmodel.operators import (
+    DEEPEP,
+    FP8,
     FULL,
+    HYBRIDEP,
+    MLA_UP_OPS,
+    PHASES,
     SELECTIVE,
     Comm,
     Op,
+    activation_bytes,
     attention_ops,
     dense_ffn_ops,
+    dispatcher_code,
     embedding_ops,
     head_ops,
     moe_ops,
+    mtp_ops,
+    precision_code,
     recompute_code,
+    shapes,
 )
-from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch
+from perfmodel.specs.architecture import MLA_FIELDS, ArchBatch
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LayoutBatch
 from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
@@ -56,40 +77,56 @@ LAYER_BLOCKS = ("attention", "dense_ffn", "moe")
 CATEGORIES = ("compute", "attention", "expert_gemm")
 KIND_CATEGORY = {"gemm": "compute", "gemm_hp": "compute", "memory": "compute", "attention": "attention",
                  "expert_gemm": "expert_gemm"}
-COMM_CLASS = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "ep"}
+COMM_CLASS = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "ep", "ep_etp": "ep"}
 """Process group -> the communication class it is reported under."""
 
-TABLE_ARCH_FIELDS = tuple(f for f in ARCH_FIELDS if f != "ffn_ratio")
-TABLE_LAYOUT_FIELDS = ("tp", "cp", "ep", "etp", "mbs", "sequence_parallel", "precision")
-"""What the per-block operator and collective tables depend on (not pp, vpp, dp, the dp
-flavour, gbs or recompute): candidates equal in these share one table row."""
-
-_HASH_MULTIPLIERS = np.random.default_rng(20250101).integers(1, 2**62, size=32, dtype=np.int64) | 1
+TOKEN_FIELDS = (("d_model", "seq_len"), ("tp", "cp", "mbs", "sequence_parallel", "precision"))
+"""(architecture fields, layout fields) every block's table depends on: the tokens and widths per
+rank, the element sizes, the tp and cp groups; with the ranks' core share."""
+GROUPED_BLOCKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "attention": (("n_heads", "n_kv_heads", "head_dim") + MLA_FIELDS, ()),
+    "dense_ffn": (("d_ff_dense", "gated_ffn"), ()),
+    "moe": (("n_experts", "top_k", "d_expert", "n_shared_experts", "gated_ffn"),
+            ("ep", "etp", "dispatcher", "capacity_factor", "pad_to_capacity")),
+}
+"""The blocks priced once per group of equal rows (`block_groups`), with the (architecture,
+layout) fields their table depends on beyond TOKEN_FIELDS. The embedding, head and MTP blocks
+(a few ops each) cost less to price on every row than to group."""
+TABLE_LAYOUT_FIELDS = tuple(dict.fromkeys(TOKEN_FIELDS[1] + tuple(f for _, lay in GROUPED_BLOCKS.values() for f in lay)))
+"""Every layout field a block table reads (not pp, vpp, dp, the dp flavour, gbs, recompute, the
+pipeline split or the overlap switches): layouts equal in these share their block tables."""
+GROUP_SAMPLE = 8192
+"""Rows `block_groups` samples first: sampled from n rows in G equal groups, about
+G (1 - exp(-sample / G)) differ, so a block with G <= n / 2 (worth grouping) shows at most ~3/4
+of them distinct once the sample is a fair share of n (n <= 64k rows: the chunk)."""
 
 
 def op_times(op: Op, hw: HardwareView) -> tuple[Values, Values, Values]:
-    """Seconds of one op per phase (fwd, dgrad, wgrad): max(FLOPs / (peak x eff_compute),
-    bytes / (HBM bw x eff_memory)). The efficiencies are looked up once, at the op's forward
-    size (FLOPs of one kernel call; bytes per kernel; `op.size_phase` for an op without
-    forward work), and hold for all three phases: the input- and weight-gradient kernels
-    work on the same matrices."""
-    j0 = op.size_phase
-    seconds_per_byte = 1.0 / (hw.hbm_bytes_per_s * hw.memory_efficiency(op.bytes[j0], op.kernels[j0]))
-    seconds_per_flop = None if op.kind == "memory" else 1.0 / hw.compute_rate(op.kind, op.kernel_flops[0])
+    """Seconds of one op per phase (fwd, dgrad, wgrad).
+
+    memory-bound: `HardwareView.memory_seconds(bytes, kernels, class)` of each phase; GEMM:
+    max(FLOPs / gemm_rate(phase dims), `operand_seconds` of its operand bytes), each phase at its own
+    (m, n, k) (`kernels.forms.phase_dims`); attention core: max(FLOPs / attention_rate(phase),
+    copy seconds), its backward in the dgrad slot."""
     out: list[Values] = []
-    compute_s_of: dict[int, Values] = {}  # a GEMM's three phases share one FLOPs array: one product
-    for j in range(3):
+    if op.kind == "memory":
+        for j in range(3):
+            nbytes = op.bytes[j]
+            out.append(0.0 if (np.ndim(nbytes) == 0 and nbytes == 0)
+                       else hw.memory_seconds(nbytes, op.kernels[j], op.memory_class))
+        return out[0], out[1], out[2]
+    for j, phase in enumerate(PHASES):
         nbytes, flops = op.bytes[j], op.flops[j]
-        if np.ndim(nbytes) == 0 and nbytes == 0 and np.ndim(flops) == 0 and flops == 0:
-            out.append(0.0)  # nothing in this phase (e.g. no weight gradient)
+        if np.ndim(flops) == 0 and flops == 0 and np.ndim(nbytes) == 0 and nbytes == 0:
+            out.append(0.0)  # nothing in this phase (e.g. attention has no weight gradient)
             continue
-        memory_s = nbytes * seconds_per_byte
-        if seconds_per_flop is None:
-            out.append(memory_s)
-            continue
-        if id(flops) not in compute_s_of:
-            compute_s_of[id(flops)] = flops * seconds_per_flop
-        out.append(np.maximum(compute_s_of[id(flops)], memory_s))
+        if op.kind == "attention":
+            rate = hw.attention_rate("fwd" if j == 0 else "bwd", op.shape[0], op.shape[1])
+        else:
+            rate = hw.gemm_rate(op.kind, phase, op.shape[0], op.shape[1], op.shape[2])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            compute_s = select(np.asarray(flops) > 0, flops / rate, 0.0)
+        out.append(np.maximum(compute_s, hw.operand_seconds(nbytes)))
     return out[0], out[1], out[2]
 
 
@@ -98,80 +135,140 @@ def block_tables(arch: ArchLike, lay: LayoutLike, comms_of: CommsOf, pricer: Col
     """Per block, per micro-batch: time per category and phase, overlappable time,
     kernels, the forward totals (for full recompute) and the attention core's
     forward (for selective recompute); and communication per class and phase."""
-    tables: Tables = {}
     comms = comms_of(arch, lay)
-    for block, builder in BLOCK_BUILDERS:
-        table: BlockTable = {f"{ph}_{cat}": 0.0 for ph in ("fwd", "bwd") for cat in CATEGORIES}
-        table.update(fwd_overlap=0.0, bwd_overlap=0.0, fwd_kernels=0.0, bwd_kernels=0.0, core_fwd=0.0)
-        for op in builder(arch, lay):
-            fwd_s, dgrad_s, wgrad_s = op_times(op, hw)
-            cat = KIND_CATEGORY[op.kind]
-            table[f"fwd_{cat}"] = table[f"fwd_{cat}"] + fwd_s
-            table[f"bwd_{cat}"] = table[f"bwd_{cat}"] + dgrad_s + wgrad_s
-            if op.overlappable:
-                table["fwd_overlap"] = table["fwd_overlap"] + fwd_s
-                table["bwd_overlap"] = table["bwd_overlap"] + dgrad_s + wgrad_s
-            table["fwd_kernels"] = table["fwd_kernels"] + op.kernels[0]
-            table["bwd_kernels"] = table["bwd_kernels"] + op.kernels[1] + op.kernels[2]
-            if op.name == "core_attention":
-                table["core_fwd"] = fwd_s
-        for cls in ("tp", "cp", "ep"):
-            table[f"fwd_{cls}"] = 0.0
-            table[f"bwd_{cls}"] = 0.0
-        table["fwd_comm_kernels"] = 0.0
-        table["bwd_comm_kernels"] = 0.0
-        for comm in comms[block]:
-            seconds = pricer.time(comm.group, comm.kind, comm.bytes)
-            key = f"{comm.phase}_{COMM_CLASS[comm.group]}"
-            table[key] = table[key] + seconds
-            table[f"{comm.phase}_comm_kernels"] = table[f"{comm.phase}_comm_kernels"] + (seconds > 0)
-        tables[block] = table
+    tables = {block: block_table(arch, lay, builder, comms[block], pricer, hw)
+              for block, builder in _builders("mtp" in comms)}
+    if "mtp" in tables:
+        _add_mtp_layer(arch, tables)
     return tables
 
 
-def table_groups(arch: ArchBatch, lay: LayoutBatch, devices: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """(representatives, inverse) when at most half the candidates have distinct block
-    tables (a planner grid: geometries x layouts), else None. Grouping is exact: a
-    multiplicative hash proposes groups and every key column is then compared."""
-    n = len(devices)
-    if n < 256:
+def _builders(mtp: bool) -> tuple[tuple[str, Callable[[ArchLike, LayoutLike], list[Op]]], ...]:
+    """The blocks of a batch and their op lists: BLOCK_BUILDERS, and mtp where the batch has MTP modules."""
+    return BLOCK_BUILDERS + ((("mtp", mtp_ops),) if mtp else ())
+
+
+def block_table(arch: ArchLike, lay: LayoutLike, builder: Callable[[ArchLike, LayoutLike], list[Op]],
+                comms: list[Comm], pricer: CollectivePricer, hw: HardwareView) -> BlockTable:
+    """One block's table (`block_tables`) from its ops (`builder`) and its collectives."""
+    table: BlockTable = {f"{ph}_{cat}": 0.0 for ph in ("fwd", "bwd") for cat in CATEGORIES}
+    table.update(fwd_overlap=0.0, bwd_overlap=0.0, fwd_kernels=0.0, bwd_kernels=0.0, core_fwd=0.0)
+    selective: dict[str, Values] = {"selective_fwd": 0.0, "selective_fwd_overlap": 0.0, "selective_kernels": 0.0}
+    for op in builder(arch, lay):
+        fwd_s, dgrad_s, wgrad_s = op_times(op, hw)
+        cat = KIND_CATEGORY[op.kind]
+        table[f"fwd_{cat}"] = table[f"fwd_{cat}"] + fwd_s
+        table[f"bwd_{cat}"] = table[f"bwd_{cat}"] + dgrad_s + wgrad_s
+        if op.overlappable:
+            table["fwd_overlap"] = table["fwd_overlap"] + fwd_s
+            table["bwd_overlap"] = table["bwd_overlap"] + dgrad_s + wgrad_s
+        table["fwd_kernels"] = table["fwd_kernels"] + op.kernels[0]
+        table["bwd_kernels"] = table["bwd_kernels"] + op.kernels[1] + op.kernels[2]
+        if op.name == "core_attention":
+            table["core_fwd"] = table["core_fwd"] + fwd_s  # a mixed MHA/MLA batch has both cores, each zero where unused
+        if op.name == "core_attention" or op.name in MLA_UP_OPS:
+            selective["selective_fwd"] = selective["selective_fwd"] + fwd_s
+            selective["selective_fwd_overlap"] = selective["selective_fwd_overlap"] + (fwd_s if op.overlappable else 0.0)
+            selective["selective_kernels"] = selective["selective_kernels"] + op.kernels[0]
+    table.update(selective)
+    for cls in ("tp", "cp", "ep"):
+        table[f"fwd_{cls}"] = 0.0
+        table[f"bwd_{cls}"] = 0.0
+    table["fwd_comm_kernels"] = 0.0
+    table["bwd_comm_kernels"] = 0.0
+    fused = None
+    for comm in comms:
+        if comm.kind == "fused":
+            fused = _fused_times(arch, lay, pricer) if fused is None else fused
+            seconds = getattr(fused, comm.name.removeprefix("ep_fused_")) * comm.bytes
+            table["ep_sm_fraction"] = fused.sm_fraction
+            table["dispatch_missing"] = ~fused.available
+        else:
+            seconds = pricer.time(comm.group, comm.kind, comm.bytes)
+        key = f"{comm.phase}_{COMM_CLASS[comm.group]}"
+        table[key] = table[key] + seconds
+        table[f"{comm.phase}_comm_kernels"] = table[f"{comm.phase}_comm_kernels"] + (seconds > 0)
+    return table
+
+
+def _fused_times(arch: ArchLike, lay: LayoutLike, pricer: CollectivePricer):  # -> FusedDispatchTimes
+    """The fused dispatchers' four calls per MoE layer and micro-batch (`perfmodel.dispatch`)."""
+    sh = shapes(arch, lay)
+    b = activation_bytes(lay)
+    dispatch_bytes = np.where(np.asarray(precision_code(lay)) >= FP8, FP8_DISPATCH_BYTES, b)
+    return fused_dispatch_times(pricer.cluster, lay, np.asarray(dispatcher_code(lay)),
+                                {DEEPEP: "deepep", HYBRIDEP: "hybridep"}, np.asarray(arch.n_experts, dtype=float),
+                                np.asarray(arch.top_k, dtype=float), sh["T_moe"], sh["h"], sh["rows"], b,
+                                dispatch_bytes, 1.0 / pricer.slowdown)
+
+
+def _add_mtp_layer(arch: ArchLike, tables: Tables) -> None:
+    """The MTP block = its own ops + one attention, FFN (MoE when the model has MoE layers), head
+    and embedding block (module doc); selective recompute is not applied to it."""
+    from perfmodel.specs.architecture import n_moe_layers
+
+    moe = np.asarray(n_moe_layers(arch)) > 0
+    mtp = tables["mtp"]
+    for key in list(mtp):
+        if key.startswith("selective") or key in ("core_fwd", "ep_sm_fraction", "dispatch_missing"):
+            continue
+        ffn = np.where(moe, tables["moe"].get(key, 0.0), tables["dense_ffn"].get(key, 0.0))
+        mtp[key] = (mtp[key] + tables["attention"].get(key, 0.0) + ffn + tables["head"].get(key, 0.0)
+                    + tables["embedding"].get(key, 0.0))
+
+
+def block_groups(block: str, arch: ArchBatch, lay: LayoutBatch, tokens: list[np.ndarray]
+                 ) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(representatives, inverse) of the candidates by `block`'s table (`tokens`: TOKEN_FIELDS and
+    the core share packed, `grouping.pack_columns`; and the block's GROUPED_BLOCKS fields) when at
+    most half of them differ, else None. Exact (`grouping.row_groups`); skipped when the first
+    GROUP_SAMPLE rows are mostly distinct (a random batch's MoE blocks)."""
+    n = len(arch.n_layers)
+    arch_fields, lay_fields = GROUPED_BLOCKS[block]
+    columns = tokens + [getattr(arch, f) for f in arch_fields] + [getattr(lay, f) for f in lay_fields]
+    sample = min(n, GROUP_SAMPLE)
+    if 4 * len(row_groups([np.asarray(col)[:sample] for col in columns])[0]) > 3 * sample:
         return None
-    columns = [np.asarray(getattr(arch, f)).astype(np.int64, copy=False) for f in TABLE_ARCH_FIELDS]
-    columns += [np.asarray(getattr(lay, f)).astype(np.int64, copy=False) for f in TABLE_LAYOUT_FIELDS]
-    columns.append(np.asarray(devices).astype(np.int64))
-
-    def hashed(rows: Union[slice, np.ndarray]) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            key = np.zeros(len(columns[0][rows]), dtype=np.int64)
-            for col, mult in zip(columns, _HASH_MULTIPLIERS):
-                key = (key ^ (col[rows] * mult)) * np.int64(1099511628211)
-        return key
-
-    if 4 * len(np.unique(hashed(slice(0, 1024)))) > 3 * min(n, 1024):  # a sample says most rows differ
-        return None
-    key = hashed(slice(None))
-    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    if 2 * len(uniq) > n:
-        return None
-    inverse = inverse.ravel()
-    rep_of_row = first[inverse]
-    for col in columns:
-        if not np.array_equal(col[rep_of_row], col):  # a hash collision: price every row
-            return None
-    return first, inverse
+    first, inverse = row_groups(columns)
+    return None if 2 * len(first) > n else (first, inverse)
 
 
-def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, devices: np.ndarray,
-                        comms_of: CommsOf, pricer: CollectivePricer, hw: HardwareView) -> Tables:
-    """Block tables, computed once per distinct (geometry, table-relevant layout fields)."""
-    groups = table_groups(arch, lay, devices)
-    if groups is None:
-        return block_tables(arch, lay, comms_of, pricer, hw)
-    first, inverse = groups
-    sub_lay = lay.take(first)
-    sub_hw = HardwareView(cluster, sub_lay, hw.share[first])
-    sub = block_tables(arch.take(first), sub_lay, comms_of, CollectivePricer(cluster, sub_lay, sub_hw.share), sub_hw)
-    return {block: {k: (np.asarray(v)[inverse] if np.ndim(v) else v) for k, v in t.items()} for block, t in sub.items()}
+def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec, comms_of: CommsOf,
+                        pricer: CollectivePricer, hw: HardwareView) -> Tables:
+    """`block_tables`, the GROUPED_BLOCKS computed once per group of `block_groups` and gathered."""
+    comms = comms_of(arch, lay)
+    tokens = None
+    tables: Tables = {}
+    for block, builder in _builders("mtp" in comms):
+        groups = None
+        if block in GROUPED_BLOCKS and len(hw.share) >= 256:
+            if tokens is None:
+                arch_fields, lay_fields = TOKEN_FIELDS
+                tokens = pack_columns([getattr(arch, f) for f in arch_fields] + [getattr(lay, f) for f in lay_fields]
+                                      + [hw.share])
+            groups = block_groups(block, arch, lay, tokens)
+        if groups is None:
+            tables[block] = block_table(arch, lay, builder, comms[block], pricer, hw)
+            continue
+        first, inverse = groups
+        sub_hw = hw.take(first)
+        sub = block_table(arch.take(first), lay.take(first), builder, _comms_at(comms[block], first),
+                          pricer.take(first, sub_hw.share), sub_hw)
+        tables[block] = {k: (np.asarray(v)[inverse] if np.ndim(v) else v) for k, v in sub.items()}
+    if "mtp" in tables:
+        _add_mtp_layer(arch, tables)
+    return tables
+
+
+def _comms_at(comms: list[Comm], rows: np.ndarray) -> list[Comm]:
+    """The collectives of the candidates at `rows` (a buffer several share stays one object)."""
+    taken: dict[int, Values] = {}
+    out = []
+    for comm in comms:
+        if np.ndim(comm.bytes) and id(comm.bytes) not in taken:
+            taken[id(comm.bytes)] = np.asarray(comm.bytes)[rows]
+        out.append(replace(comm, bytes=taken.get(id(comm.bytes), comm.bytes)))
+    return out
 
 
 class StageBlocks:
@@ -187,11 +284,14 @@ class StageBlocks:
 
     def total(self, key: str, blocks: Optional[tuple[str, ...]] = None) -> Values:
         """Sum over `blocks` (default: all, in table order) of (blocks on this stage) x
-        (per-block entry `key`); zero entries are skipped."""
+        (per-block entry `key`); zero entries are skipped. The sum over all blocks continues the
+        sum over the LAYER_BLOCKS (the first in table order), which is kept: the same additions."""
         blocks = tuple(self.tables) if blocks is None else blocks
         if (key, blocks) not in self._memo:
-            acc: Values = 0.0
-            for b in blocks:
+            start, acc = 0, 0.0
+            if len(blocks) > len(LAYER_BLOCKS) and blocks[:len(LAYER_BLOCKS)] == LAYER_BLOCKS:
+                start, acc = len(LAYER_BLOCKS), self.total(key, LAYER_BLOCKS)
+            for b in blocks[start:]:
                 value = self.tables[b][key]
                 if np.ndim(value) == 0 and value == 0:
                     continue

@@ -7,7 +7,11 @@ YAML path, optionally remapped with `--cluster-map`), the device count, what was
 measured and where it was published:
 
     run_id, cluster, devices, <arch fields>, <layout fields>, measure, value, source
-    optional: model, notes, dp
+    optional: model, notes, dp, and the optional architecture fields (multi-head latent
+    attention q_lora_rank, kv_lora_rank, qk_rope_head_dim, v_head_dim; n_mtp_layers) and
+    layout fields (the pipeline split first_stage_layers, last_stage_layers, account_embedding,
+    account_loss, pp_layout, balanced_split; dispatcher, capacity_factor, pad_to_capacity);
+    an empty optional cell takes the field's default
 
 `measure` says which figure `value` is. Every measure is turned into the time of
 one optimizer step over the global batch (gbs * seq_len tokens), which is what
@@ -49,24 +53,43 @@ import pandas as pd
 
 from perfmodel.clusters import load_cluster
 from perfmodel.errors import InputError, MosaicError
-from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, MoEArchitecture, model_flops_per_token
+from perfmodel.specs.architecture import (
+    ARCH_FIELDS,
+    CORE_ARCH_FIELDS,
+    OPTIONAL_ARCH_FIELDS,
+    ArchBatch,
+    MoEArchitecture,
+    model_flops_per_token,
+)
 from perfmodel.specs.cluster import ClusterSpec
-from perfmodel.specs.layout import LAYOUT_FIELDS, LayoutBatch, ParallelLayout
+from perfmodel.specs.layout import (
+    CORE_LAYOUT_FIELDS,
+    LAYOUT_FIELDS,
+    OPTIONAL_LAYOUT_FIELDS,
+    OVERLAP_FIELDS,
+    LayoutBatch,
+    ParallelLayout,
+)
+from perfmodel.specs.stages import describe_split
 from perfmodel.validity import violations
 
 MEASURES = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu")
 META_COLUMNS = ("run_id", "cluster", "devices", "measure", "value", "source")
-OPTIONAL_COLUMNS = ("model", "notes", "dp")
-REQUIRED_COLUMNS = META_COLUMNS + ARCH_FIELDS + tuple(f for f in LAYOUT_FIELDS if f != "dp")
+OPTIONAL_COLUMNS = ("model", "notes", "dp", "peak_memory_bytes", "memory_source") + OPTIONAL_ARCH_FIELDS + OPTIONAL_LAYOUT_FIELDS
+"""May be empty: the field then takes its default (the overlap switches off, Megatron-Core's)."""
+REQUIRED_COLUMNS = META_COLUMNS + CORE_ARCH_FIELDS + tuple(f for f in CORE_LAYOUT_FIELDS if f != "dp")
 KNOWN_COLUMNS = REQUIRED_COLUMNS + OPTIONAL_COLUMNS
 
 _INT_FIELDS = {
     "devices", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "seq_len", "n_experts",
     "top_k", "n_shared_experts", "d_expert", "d_ff_dense", "n_dense_layers",
     "tp", "pp", "vpp", "ep", "etp", "cp", "dp", "mbs", "gbs",
+    "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "n_mtp_layers",
+    "first_stage_layers", "last_stage_layers",
 }
-_FLOAT_FIELDS = {"ffn_ratio", "value"}
-_BOOL_FIELDS = {"gated_ffn", "tie_embeddings", "sequence_parallel"}
+_FLOAT_FIELDS = {"ffn_ratio", "value", "capacity_factor", "peak_memory_bytes"}
+_BOOL_FIELDS = {"gated_ffn", "tie_embeddings", "sequence_parallel", "account_embedding", "account_loss",
+                "balanced_split", "pad_to_capacity", *OVERLAP_FIELDS}
 _TRUE = {"true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
 
@@ -95,6 +118,9 @@ class PublishedRun:
     """Line of the row in its CSV (header = line 1), for error messages."""
     file: str = ""
     """Name of the CSV the row came from, for error messages."""
+    peak_memory_bytes: Optional[float] = None
+    """Published peak memory per device (bytes), when the source gives it."""
+    memory_source: str = ""
 
     @property
     def where(self) -> str:
@@ -176,7 +202,7 @@ def _run_from_row(path: Path, line: int, row: Mapping[str, str]) -> PublishedRun
         raise InputError(f"{_where(path, line, run_id, 'devices')}: must be >= 1, got {devices}")
 
     try:
-        arch = MoEArchitecture(**{k: values[k] for k in ARCH_FIELDS})
+        arch = MoEArchitecture(**{k: values[k] for k in ARCH_FIELDS if k in values})
     except InputError as exc:
         raise InputError(f"{path.name} line {line} (run_id '{run_id}'): model geometry: {exc}") from None
     try:
@@ -190,7 +216,7 @@ def _run_from_row(path: Path, line: int, row: Mapping[str, str]) -> PublishedRun
     return PublishedRun(
         run_id=run_id, model=values.get("model", run_id), cluster=values["cluster"], devices=devices, arch=arch,
         layout=layout, measure=measure, value=value, source=values["source"], notes=values.get("notes", ""), line=line,
-        file=path.name,
+        file=path.name, peak_memory_bytes=values.get("peak_memory_bytes"), memory_source=values.get("memory_source", ""),
     )
 
 
@@ -296,7 +322,7 @@ def measured_step_time_s(run: PublishedRun, cluster: ClusterSpec) -> float:
     raise AssertionError(f"unhandled measure {run.measure}")
 
 
-UNSCORED_REASONS = ("invalid_layout", "precision")
+UNSCORED_REASONS = ("invalid_layout", "precision", "dispatcher")
 """Infeasibility reasons whose step time is not a prediction (perfmodel.evaluate.REASONS)."""
 
 
@@ -361,6 +387,7 @@ def compare(
                 "devices": run.devices,
                 "precision": run.layout.precision,
                 "layout": run.layout.to_string(),
+                "pipeline_split": describe_split(run.arch.n_layers, run.arch.n_mtp_layers, run.layout),
                 "measure": run.measure,
                 "value": run.value,
                 "measured_step_time_s": measured,
@@ -372,6 +399,9 @@ def compare(
                 "measured_mfu": meas_tps * float(model_flops_per_token(run.arch)) / peak,
                 "predicted_mfu": float(pred_mfu[i]) if ok else math.nan,
                 "predicted_memory_per_device_bytes": float(memory[i]),
+                "measured_peak_memory_bytes": run.peak_memory_bytes if run.peak_memory_bytes else math.nan,
+                "memory_error": (float(memory[i]) / run.peak_memory_bytes - 1.0) if run.peak_memory_bytes else math.nan,
+                "kind": "moe" if run.arch.n_experts > 0 else "dense",
                 "usable_hbm_bytes": float(spec.accelerator.usable_hbm_bytes),
                 "feasible": bool(feasible[i]),
                 "reason": reason[i],
@@ -382,8 +412,16 @@ def compare(
     return frame.sort_values("run_id", key=lambda col: col.map(order)).reset_index(drop=True)
 
 
+def _errors(scored: pd.DataFrame) -> dict[str, Any]:
+    """Runs, mean absolute and mean signed percentage error of a scored subset."""
+    return {"runs": int(len(scored)), "mean_ape_pct": float(100 * scored["ape"].mean()) if len(scored) else None,
+            "mean_signed_error_pct": float(100 * scored["signed_error"].mean()) if len(scored) else None}
+
+
 def summarize(frame: pd.DataFrame) -> dict[str, Any]:
-    """Mean, median and max absolute percentage error (in %) over every scored row."""
+    """Mean, median and max absolute percentage error (in %) over every scored row; the same per
+    cluster and per kind of run (dense, moe), signed and absolute; the memory error where the
+    source published a peak."""
     scored = frame[frame["ape"].notna()]
     summary: dict[str, Any] = {
         "runs": int(len(frame)),
@@ -395,6 +433,9 @@ def summarize(frame: pd.DataFrame) -> dict[str, Any]:
         "median_ape_pct": None,
         "worst_run_id": None,
         "mean_signed_error_pct": None,
+        "by_cluster": {},
+        "by_kind": {},
+        "memory": {},
     }
     if len(scored):
         worst = scored.loc[scored["ape"].idxmax()]
@@ -405,6 +446,13 @@ def summarize(frame: pd.DataFrame) -> dict[str, Any]:
             "worst_run_id": str(worst["run_id"]),
             "mean_signed_error_pct": float(100 * scored["signed_error"].mean()),
         })
+        summary["by_cluster"] = {str(c): _errors(g) for c, g in scored.groupby("cluster", sort=False)}
+        summary["by_kind"] = {str(k): _errors(g) for k, g in scored.groupby("kind", sort=True)}
+    if "memory_error" in frame:
+        mem = frame[frame["memory_error"].notna()]
+        if len(mem):
+            summary["memory"] = {"runs": int(len(mem)), "mean_abs_error_pct": float(100 * mem["memory_error"].abs().mean()),
+                                 "mean_signed_error_pct": float(100 * mem["memory_error"].mean())}
     return summary
 
 

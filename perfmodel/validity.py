@@ -15,9 +15,13 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
+from perfmodel.operators import DDP, dispatcher_code, dp_flavor_code
 from perfmodel.specs.architecture import MoEArchitecture
-from perfmodel.specs.layout import ParallelLayout
+from perfmodel.specs.layout import DISPATCHERS, FUSED_DISPATCHERS, LayoutBatch, ParallelLayout
 from perfmodel.specs.protocols import ArchLike, Flag, LayoutLike
+from perfmodel.specs.stages import split_problem, stage_layer_table
+
+FUSED_CODES = [DISPATCHERS.index(d) for d in FUSED_DISPATCHERS]
 
 
 def _a(x: ArrayLike) -> np.ndarray:
@@ -41,9 +45,34 @@ def cp_divides_seq(arch: ArchLike, lay: LayoutLike) -> Flag:
     return (_a(lay.cp) == 1) | (_a(arch.seq_len) % (2 * _a(lay.cp)) == 0)
 
 
-def pp_divides_layers(arch: ArchLike, lay: LayoutLike) -> Flag:
-    """Layers split evenly over pp * vpp model chunks."""
-    return _a(arch.n_layers) % (_a(lay.pp) * lay.vpp) == 0
+def _batch(lay: LayoutLike) -> LayoutBatch:
+    return LayoutBatch.stack([lay]) if isinstance(lay, ParallelLayout) else lay
+
+
+def split_fits_layers(arch: ArchLike, lay: LayoutLike) -> Flag:
+    """The pipeline split (`perfmodel.specs.stages`) gives every virtual stage >= 0 layers and
+    adds up to n_layers (Megatron's divisibility rules fail this), and a layout string holds
+    one 'm' per MTP module."""
+    batch = _batch(lay)
+    n_layers = np.broadcast_to(np.atleast_1d(_a(arch.n_layers)).astype(np.int64), (max(len(batch), np.size(arch.n_layers)),))
+    n = len(n_layers)
+    if len(batch) != n:  # one layout for many architectures
+        batch = batch.take(np.zeros(n, dtype=np.int64))
+    stages = np.broadcast_to(np.asarray(batch.pp, dtype=np.int64) * np.asarray(batch.vpp, dtype=np.int64), (n,))
+    default = np.broadcast_to(
+        (np.asarray(batch.stage_layers)[:, 0] < 0) & (np.asarray(batch.first_stage_layers) < 0)
+        & (np.asarray(batch.last_stage_layers) < 0) & ~np.asarray(batch.account_embedding, dtype=bool)
+        & ~np.asarray(batch.account_loss, dtype=bool) & ~np.asarray(batch.balanced_split, dtype=bool), (n,))
+    ok = default & (n_layers % stages == 0)  # the even split always fits
+    rest = np.flatnonzero(~ok)
+    if len(rest):
+        table = stage_layer_table(n_layers[rest], batch.take(rest))
+        inside = np.arange(table.shape[1])[None, :] < stages[rest][:, None]
+        ok = ok.copy()
+        ok[rest] = (table.sum(axis=1) == n_layers[rest]) & np.all(np.where(inside, table, 0.0) >= 0, axis=1)
+    mtp = np.broadcast_to(np.asarray(batch.stage_mtp), (n,))
+    ok &= (mtp < 0) | (mtp == np.broadcast_to(np.atleast_1d(_a(arch.n_mtp_layers)), (n,)))
+    return ok if not isinstance(lay, ParallelLayout) else bool(ok[0])
 
 
 def vpp_needs_pp(arch: ArchLike, lay: LayoutLike) -> Flag:
@@ -67,9 +96,35 @@ def etp_divides_expert(arch: ArchLike, lay: LayoutLike) -> Flag:
     return np.where(_a(arch.n_experts) > 0, _a(arch.d_expert) % _a(lay.etp) == 0, _a(lay.etp) == 1)
 
 
+def fused_dispatch_etp(arch: ArchLike, lay: LayoutLike) -> Flag:
+    """The fused dispatchers (deepep, hybridep) are modelled with etp = 1 (each token goes once
+    to each expert-parallel rank)."""
+    fused = np.isin(np.asarray(dispatcher_code(lay)), FUSED_CODES)
+    return ~fused | (_a(lay.etp) == 1)
+
+
 def batch_divides(arch: ArchLike, lay: LayoutLike) -> Flag:
     """gbs is a whole number of micro-batches per data-parallel rank."""
     return _a(lay.gbs) % (_a(lay.mbs) * lay.dp) == 0
+
+
+def tp_overlap_needs_tp(arch: ArchLike, lay: LayoutLike) -> Flag:
+    """TP communication overlap needs tensor parallelism. (Megatron's `--tp-comm-overlap` also
+    needs sequence parallel; MindSpeed's CoC overlaps the plain all-reduces: the exporters check.)"""
+    return ~_a(lay.tp_comm_overlap) | (_a(lay.tp) > 1)
+
+
+def ep_overlap_needs_ep(arch: ArchLike, lay: LayoutLike) -> Flag:
+    """EP all-to-all overlap needs expert parallelism. (Megatron-Core's own conditions: no full
+    recompute, vpp under pp > 1, not the allgather dispatcher; MindSpeed's --moe-fb-overlap runs
+    with full recompute: the exporters check theirs.)"""
+    return ~_a(lay.ep_comm_overlap) | (_a(lay.ep) > 1)
+
+
+def param_gather_overlap_needs_sharding(arch: ArchLike, lay: LayoutLike) -> Flag:
+    """Only sharded optimizers gather parameters: overlap_param_gather needs zero1 or fsdp
+    (Megatron-LM validate_args: distributed optimizer or Megatron-FSDP)."""
+    return ~_a(lay.overlap_param_gather) | (dp_flavor_code(lay) != DDP)
 
 
 def world_matches(arch: ArchLike, lay: LayoutLike, devices: ArrayLike) -> Flag:
@@ -81,12 +136,16 @@ RULES: tuple[tuple[str, Callable[[ArchLike, LayoutLike], Flag], str], ...] = (
     ("tp_divides_heads", tp_divides_heads, "tp={tp} must divide n_heads={n_heads} and n_kv_heads={n_kv_heads}; pick a common divisor"),
     ("tp_divides_ffn", tp_divides_ffn, "tp={tp} must divide d_ff_dense={d_ff_dense} and n_shared_experts*d_expert; pick a divisor"),
     ("cp_divides_seq", cp_divides_seq, "cp={cp}: seq_len={seq_len} must be a multiple of 2*cp; change cp or seq_len"),
-    ("pp_divides_layers", pp_divides_layers, "pp*vpp={pp}*{vpp} must divide n_layers={n_layers}; pick pp and vpp whose product divides the layers"),
+    ("split_fits_layers", split_fits_layers, "{split_problem}"),
     ("vpp_needs_pp", vpp_needs_pp, "vpp={vpp} needs pp > 1; set vpp=1 or add pipeline stages"),
     ("ep_divides_experts", ep_divides_experts, "ep={ep} must divide n_experts={n_experts} (ep=1 for a dense model); pick a divisor"),
     ("expert_folding", expert_folding, "etp*ep={etp}*{ep} must divide tp*cp*dp={tp}*{cp}*{dp} (experts fold onto the data-parallel ranks); lower ep or etp"),
     ("etp_divides_expert", etp_divides_expert, "etp={etp} must divide d_expert={d_expert} (etp=1 for a dense model)"),
     ("batch_divides", batch_divides, "gbs={gbs} must be a multiple of mbs*dp={mbs}*{dp}; change gbs or mbs"),
+    ("tp_overlap_needs_tp", tp_overlap_needs_tp, "tp_comm_overlap needs tp > 1 (tp={tp}); turn it off or raise tp"),
+    ("ep_overlap_needs_ep", ep_overlap_needs_ep, "ep_comm_overlap needs ep > 1 (ep={ep}); turn it off or raise ep"),
+    ("param_gather_overlap_needs_sharding", param_gather_overlap_needs_sharding, "overlap_param_gather needs dp_flavor zero1 or fsdp (got {dp_flavor}); turn it off or shard the optimizer"),
+    ("fused_dispatch_etp", fused_dispatch_etp, "dispatcher={dispatcher} is modelled with etp=1, got etp={etp}; set etp=1 or dispatcher=alltoall"),
 )
 
 
@@ -102,7 +161,8 @@ def violations(arch: MoEArchitecture, layout: ParallelLayout, devices: int) -> l
     """Every violated rule of one configuration, as a message naming fields and fix."""
     if layout.dp is None or layout.gbs is None:
         layout = layout.resolve(devices)
-    fields = {**{k: getattr(arch, k) for k in vars(arch)}, **{k: getattr(layout, k) for k in vars(layout)}}
+    fields = {**{k: getattr(arch, k) for k in vars(arch)}, **{k: getattr(layout, k) for k in vars(layout)},
+              "split_problem": split_problem(arch.n_layers, arch.n_mtp_layers, layout)}
     messages = []
     if not world_matches(arch, layout, devices):
         messages.append(f"world_matches: tp*cp*pp*dp={layout.world()} must equal the device count {devices}; "

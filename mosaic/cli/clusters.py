@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import typer
 from rich import box
 from rich.markup import escape
@@ -71,6 +73,42 @@ def clusters(json_output: bool = typer.Option(False, "--json", help="Print JSON 
     console.print("every figure with its source: mosaic show-cluster NAME", highlight=False)
 
 
+def _provenance(rows: int, error: Optional[float], derived: str) -> str:
+    """'12 rows, median error 4%' for a measured figure; 'DERIVED: rule' for a carried-over one."""
+    if derived and not rows:
+        return f"DERIVED: {derived}"
+    text = f"{rows} measured rows, median error {100 * (error or 0):.0f}%"
+    return f"{text} ({derived})" if derived else text
+
+
+def _kernel_table(kernels: Any) -> Table:
+    """Every fitted kernel figure with its provenance (measured rows or the derivation rule)."""
+    table = Table(title="kernels (fitted to perfmodel/data/kernels/*.csv)", show_lines=True)
+    table.add_column("kernel", no_wrap=True)
+    table.add_column("figures [dim](provenance)[/dim]")
+    rows = []
+    for precision, g in kernels.gemm.items():
+        rows.append((f"GEMM {precision}", f"e_max {g.e_max:.2f}; halves m {g.m_half:.4g} n {g.n_half:.4g} k {g.k_half:.4g}",
+                     _provenance(g.rows, g.median_abs_error, g.derived)))
+    for precision, grouped in kernels.grouped_gemm.items():
+        for phase in ("fwd", "dgrad", "wgrad"):
+            g = grouped.phase(phase)
+            rows.append((f"grouped {precision} {phase}", f"e_max {g.e_max:.2f}", _provenance(g.rows, g.median_abs_error, g.derived)))
+    for precision, a in kernels.attention.items():
+        rows.append((f"attention {precision}", f"e_max fwd {a.fwd_e_max:.2f} bwd {a.bwd_e_max:.2f}; causal seq half "
+                     f"{a.seq_half_causal:.4g}; head-dim half {a.head_dim_half:.3g}",
+                     _provenance(a.rows, a.median_abs_error, a.derived)))
+    m = kernels.memory
+    for cls, fraction in m.fraction.items():
+        derived = m.derived.get(cls, "")
+        rows.append((f"memory {cls}", f"{fraction:.0%} of HBM bw; bytes half {m.bytes_half:.3g}",
+                     f"DERIVED: {derived}" if derived else f"measured ({m.rows} rows over the classes, median error "
+                                                           f"{100 * (m.median_abs_error or 0):.0f}%)"))
+    for kernel, value, provenance in rows:
+        table.add_row(kernel, f"{value}\n[dim]{_escape(provenance)}[/dim]")
+    return table
+
+
 @cli_errors
 def show_cluster(
     name: str = typer.Argument(..., help="Bundled cluster name or a cluster YAML path."),
@@ -94,13 +132,11 @@ def show_cluster(
         ("HBM", f"{acc.hbm_bytes / 1e9:.3g} GB (usable {acc.usable_hbm_bytes / 1e9:.3g})", acc.sources["hbm_bytes"]),
         ("HBM bandwidth", _bytes_per_s(acc.hbm_bandwidth_bytes_per_s), acc.sources["hbm_bandwidth_bytes_per_s"]),
         ("launch latency", f"{acc.launch_latency_s * 1e6:.1f} us", acc.sources["launch_latency_s"]),
-        *((f"GEMM efficiency {precision}", f"max {curve.max_value:.1%}", curve.source)
-          for precision, curve in acc.compute_efficiency.items()),
-        ("memory efficiency", f"max {acc.memory_efficiency.max_value:.0%}", acc.memory_efficiency.source),
     ]
     for figure, value, source in rows:
         table.add_row(figure, f"{value}\n[dim]{_escape(source)}[/dim]")
     console.print(table)
+    console.print(_kernel_table(acc.kernels))
     fabric = Table(title="fabric levels (innermost first)", show_lines=True)
     for column, justify in (("level", "left"), ("devices", "right"), ("GB/s per\ndevice (uni)", "right"),
                             ("latency\nus", "right"), ("collective\nefficiency", "left")):
@@ -114,7 +150,10 @@ def show_cluster(
     sources.add_column("level", no_wrap=True)
     sources.add_column("source")
     for lvl in spec.levels:
-        sources.add_row(_escape(lvl.name), _escape(lvl.source))
+        fit = lvl.collective_fit
+        text = lvl.source if fit is None else (f"{lvl.source}\nlatency and efficiencies: "
+                                               f"{_provenance(fit.rows, fit.median_abs_error, fit.derived)}; {fit.source}")
+        sources.add_row(_escape(lvl.name), _escape(text))
     console.print(sources)
     gp = spec.goodput
     goodput = f"eta {gp.eta}" if gp.eta is not None else f"node MTBF {gp.node_mtbf_hours:g} h, checkpoint {gp.checkpoint_s:g} s, restart {gp.restart_s:g} s"

@@ -51,6 +51,49 @@ def progress_bar(total: int, label: str, enabled: bool) -> Any:
     return progress, advance
 
 
+def search_line(s: dict[str, Any]) -> str:
+    """One line: what the search considered, pruned and evaluated, and how long it took."""
+    space = s.get("space_layouts", s["layouts_per_geometry"])
+    line = f"search: {s['solver']}, {s['geometries']:,} geometries x {space:,} layouts"
+    if "candidates_in_space" in s:
+        timed = f"{s['timed']:,} timed" if s.get("timed") is not None else "timed in worker processes"
+        after = f"{s['pruned_after_building']:,}" if s.get("pruned_after_building") is not None else "the rest"
+        line += (f" = {s['candidates_in_space']:,} candidates; {timed}, the rest pruned exactly "
+                 f"(overlap rules and dominance {s['pruned_overlap_dominance']:,}, loss bound {s['pruned_loss_bound']:,} "
+                 f"in {s['pruned_geometries']:,} geometries, validity/memory/recompute/compute bound {after})")
+    if "status" in s:
+        line += (f"; MINLP over {s.get('geometries_in_model', 0):,} geometries after presolve: status {s['status']}, "
+                 f"gap {s.get('gap')}, solver {s.get('solver_seconds', 0):.2f} s")
+        co = s.get("compute_optimal") or {}
+        if co:
+            line += f"; compute-optimal MINLP {co['status']}, gap {co.get('gap')}, {co.get('solver_seconds', 0):.2f} s"
+    return line + f"; {s['seconds']:.1f} s"
+
+
+def decision_line(dec: dict[str, Any]) -> str:
+    """The decision under uncertainty in words: how many plans are indistinguishable, from which
+    measured uncertainties, how likely the pick is best, and the rule."""
+    err = dec["throughput_error"]
+    if err.get("bias_measured"):
+        bias = f"bias {err['bias_pct']:+.0f}% from {err['own_rows']} {err['kind']} runs on this cluster"
+    elif err.get("borrowed_bias_range_pct"):
+        lo, hi = err["borrowed_bias_range_pct"]
+        bias = f"bias unmeasured here, drawn from the other accelerators' {lo:+.0f}% to {hi:+.0f}%"
+    else:
+        bias = "no bias rows"
+    spread = f", spread {err['spread_pct']:.0f}% per layout" if err.get("spread_pct") is not None else ""
+    n, k = dec["candidates"], dec["indistinguishable"]
+    head = (f"at least {k} of the {n} best plans" if dec.get("capped") else f"{k} of the {n} best plans") + \
+        " are indistinguishable from the nominal best"
+    rank = dec["chosen_rank"]
+    picked = ("the nominal best kept (--pick nominal)" if dec.get("pick") == "nominal" else
+              ("the nominal best is also the robust pick" if rank == 0 else f"picked nominal #{rank + 1}"))
+    return (f"decision: {head} (P(beats it) >= 5% over {dec['draws']} draws: {dec['fit_draws']} bootstrap fits x "
+            f"throughput error, {bias}{spread}; {err['source']}); P(nominal best is best) "
+            f"{100 * dec['p_nominal_best_is_best']:.0f}%, P(pick is best) {100 * dec['p_chosen_is_best']:.0f}%; "
+            f"rule: {dec['rule']}: {picked}")
+
+
 def render(data: dict[str, Any]) -> None:
     """The plan (its file's mapping, `Plan.to_dict()`) as tables readable at 80 columns."""
     co = data["compute_optimal"]
@@ -83,34 +126,47 @@ def render(data: dict[str, Any]) -> None:
          else f">= {(on.get('min_memory_per_device_bytes') or 0) / 1e9:.1f} GB"),
         ("model FLOPs", f"{cp['model_flops']:.3g}", f"{op['model_flops']:.3g}"),
     ]
+    dec = data.get("decision") or {}
+    if dec.get("available"):
+        mine = cp.get("decision") or {}
+        lo, hi = mine.get("loss_interval_90") or (None, None)
+        rows.append(("under uncertainty", f"{'robust pick' if dec.get('pick') == 'robust' else 'nominal best'}, "
+                     f"nominal #{mine.get('rank', 0) + 1}; P(best) {100 * dec['p_chosen_is_best']:.0f}%; "
+                     f"loss 90% {lo:.3f}-{hi:.3f}" if lo is not None else "-", "-"))
     for row in rows:
         table.add_row(*row)
     console.print(table)
     alts = data["alternatives"]
     if alts:
-        t2 = Table(title="next best (cluster-optimal)")
-        for col, justify in (("#", "right"), ("geometry / layout", "left"), ("S", "right"), ("total / active", "right"),
-                             ("tokens", "right"), ("loss", "right"), ("MFU", "right")):
-            t2.add_column(col, justify=justify, no_wrap=col in ("#", "S", "tokens", "loss", "MFU"))
+        with_dec = bool(dec.get("available"))
+        t2 = Table(title="next best (cluster-optimal)" + ("; ≈: indistinguishable from the nominal best" if with_dec else ""))
+        cols = [("#", "right"), ("geometry / layout", "left"), ("S", "right"), ("total / active", "right"),
+                ("tokens", "right"), ("loss", "right"), ("MFU", "right")]
+        if with_dec:  # P(best) and the mark take the sparsity's place (S is in the geometry: E and k)
+            cols = [c for c in cols if c[0] != "S"] + [("P best", "right")]
+        for col, justify in cols:
+            t2.add_column(col, justify=justify, no_wrap=col in ("#", "S", "tokens", "loss", "MFU", "P best"))
         for i, a in enumerate(alts, 1):
             m, p = a["model"], a["predicted"]
-            t2.add_row(str(i), f"{geometry_label(_arch(m))}\n[dim]{_layout(a['layout'])}[/dim]", f"{m['sparsity']:.3f}",
-                       f"{_si(m['n_total_params'])} / {_si(m['n_active_params'])}", _si(a["tokens"]), f"{p['loss']:.4f}",
-                       f"{p['mfu']:.3f}")
+            d = p.get("decision") or {}
+            cells = [str(d["rank"] + 1) if "rank" in d else str(i),
+                     f"{geometry_label(_arch(m))}\n[dim]{_layout(a['layout'])}[/dim]",
+                     *([] if with_dec else [f"{m['sparsity']:.3f}"]),
+                     f"{_si(m['n_total_params'])} / {_si(m['n_active_params'])}", _si(a["tokens"]), f"{p['loss']:.4f}",
+                     f"{p['mfu']:.3f}"]
+            if with_dec:
+                cells.append((f"{100 * d['p_best']:.0f}%" if "p_best" in d else "-")
+                             + (" ≈" if d.get("indistinguishable") else ""))
+            t2.add_row(*cells)
         console.print(t2)
+    if dec.get("available"):
+        console.print(decision_line(dec), highlight=False)
+    elif dec.get("note"):
+        console.print(f"decision under uncertainty: {dec['note']}", highlight=False)
     b = data["binding"]
     console.print(f"binding constraint: [bold]{b['constraint']}[/bold]: {b['detail']}; "
                   f"memory headroom of the plan {100 * b['memory_headroom']:.0f}%", highlight=False)
-    s = data["search"]
-    line = f"search: {s['solver']}, {s['geometries']:,} geometries x {s['layouts_per_geometry']:,} layouts"
-    if "evaluated_geometries" in s:
-        line += f", {s['evaluated_geometries']:,} timed, {s['pruned_geometries']:,} pruned by the loss bound"
-    if s.get("candidates_per_s"):
-        line += f", {s['candidates']:,} candidates at {s['candidates_per_s']:,.0f}/s"
-    if "status" in s:
-        line += f", status {s['status']}, gap {s.get('gap')}, solver time {s.get('solver_seconds', 0):.2f} s"
-    line += f", {s['seconds']:.1f} s"
-    console.print(line, highlight=False)
+    console.print(search_line(data["search"]), highlight=False)
     analysis = data.get("analysis") or {}
     if "sensitivity" in analysis:
         t3 = Table(title="sensitivity (cluster-optimal)")
@@ -140,6 +196,9 @@ def plan(
     output: Optional[str] = typer.Option(None, "-o", "--output", help="Write the plan YAML here."),
     json_output: bool = typer.Option(False, "--json", help="Print the plan (the -o file's content) as JSON."),
     top: int = typer.Option(10, "--top", help="Alternatives to list."),
+    time_limit: float = typer.Option(300.0, "--time-limit", help="Seconds the MINLP solver may take (scip, bonmin, mindtpy)."),
+    pick: str = typer.Option("robust", "--pick", help="robust: the robust pick among the indistinguishable plans; "
+                             "nominal: the lowest predicted loss."),
     workers: int = typer.Option(1, "--workers", help="Processes for the enumeration (large spaces)."),
     sensitivity: bool = typer.Option(False, "--sensitivity", help="Move budget, bandwidth and HBM by +-20%; bootstrap."),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide the progress bar."),
@@ -151,11 +210,14 @@ def plan(
 
     if top < 0:
         raise typer.BadParameter("--top must be >= 0")
+    if not time_limit > 0:
+        raise typer.BadParameter("--time-limit must be > 0 seconds")
     problem = build_problem(cluster, devices=devices, days=days, hours=hours, fit=fit, space=space)
     total = len(problem.geoms) * len(problem.evaluator.grid)
     bar, advance = progress_bar(total, "planning", enabled=not json_output and not no_progress)
     with bar:
-        result = solve(problem, solver=solver, top=top, progress=advance, workers=max(1, workers))
+        result = solve(problem, solver=solver, top=top, progress=advance, workers=max(1, workers),
+                       time_limit_s=time_limit, pick=pick)
     if sensitivity:
         from mosaic.planner.sensitivity import bootstrap_comparison, sensitivity_table
 

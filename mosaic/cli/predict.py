@@ -85,7 +85,7 @@ def plot_breakdown(rows: list[dict[str, Any]], labels: list[str], path: Path, ti
     plt.close(fig)
 
 
-def _summary_table(row: dict[str, Any], usable_hbm: float, title: str) -> Table:
+def _summary_table(row: dict[str, Any], usable_hbm: float, title: str, split: str = "") -> Table:
     table = Table(title=title, show_header=False)
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -93,12 +93,19 @@ def _summary_table(row: dict[str, Any], usable_hbm: float, title: str) -> Table:
     table.add_row("step time", _seconds(row["step_time_s"]))
     table.add_row("tokens/s", f"{row['tokens_per_s']:,.0f}")
     table.add_row("tokens/s per device", f"{row['tokens_per_s_per_device']:,.1f}")
-    table.add_row("MFU", f"{row['mfu']:.1%}")
+    table.add_row("MFU (causal attention as run)", f"{row['mfu']:.1%}")
+    if "mfu_palm" in row:
+        table.add_row("MFU, PaLM/Megatron convention", f"{row['mfu_palm']:.1%}")
     table.add_row("model TFLOP/s per device", f"{row['tflops_per_device']:,.1f}")
     table.add_row("memory per device", f"{_gb(row['memory_per_device_bytes'])} of {_gb(usable_hbm)} usable")
     table.add_row("devices", str(row["devices"]))
     table.add_row("micro-batches per step (m)", f"{row['micro_batches']:g}")
-    table.add_row("slowest pipeline stage", row["bottleneck_stage"])
+    table.add_row("slowest pipeline stage", f"{row['bottleneck_stage']} (rank {row.get('bottleneck_rank', 0)})"
+                  if row["bottleneck_stage"] == "middle" else row["bottleneck_stage"])
+    if split:
+        table.add_row("pipeline split (layers per virtual stage)", split)
+    if row.get("dropped_fraction"):
+        table.add_row("routed tokens dropped (capacity factor)", f"{row['dropped_fraction']:.2%}")
     return table
 
 
@@ -139,9 +146,13 @@ def _layout_dict(layout: Any) -> dict[str, Any]:
 
 @cli_errors
 def predict(
-    cluster: str = typer.Option(..., "--cluster", help="Bundled cluster name or a cluster YAML path."),
-    model: Path = typer.Option(..., "--model", help="Model YAML (version: 1 + the MoEArchitecture keys)."),
-    layout: str = typer.Option(..., "--layout", help='e.g. "tp=2,ep=8,pp=4,mbs=1,gbs=1024", or "best" to search.'),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Bundled cluster name or a cluster YAML path "
+                                          "(with --plan: default the plan's cluster)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Model YAML (version: 1 + the MoEArchitecture keys)."),
+    layout: Optional[str] = typer.Option(None, "--layout", help='e.g. "tp=2,ep=8,pp=4,mbs=1,gbs=1024", or "best" '
+                                         "to search."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="A plan YAML: its model, resolved layout, devices "
+                                             "and cluster instead of --model/--layout/--devices."),
     devices: Optional[int] = typer.Option(None, "--devices", help="Devices when the layout has no dp "
                                           "(default: the cluster's count, also the upper bound)."),
     gbs: Optional[int] = typer.Option(None, "--gbs", help="Global batch (sequences) for --layout best "
@@ -153,14 +164,34 @@ def predict(
 ) -> None:
     """Predict step time, tokens/s, MFU and memory of a model and layout on a cluster."""
     from perfmodel.clusters import load_cluster
+    from perfmodel.dispatch import dispatcher_problem
     from perfmodel.evaluate import evaluate
     from perfmodel.specs.architecture import MoEArchitecture
     from perfmodel.specs.layout import PRECISIONS, parse_layout
+    from perfmodel.specs.stages import describe_split
     from perfmodel.specs.strict import load_spec
     from perfmodel.validity import violations
 
+    if plan_file is not None:
+        from mosaic.planfile import cluster_of, read_plan
+
+        if model is not None or layout is not None or devices is not None:
+            raise InputError("--plan gives the model, layout and devices: drop --model, --layout and --devices")
+        plan_obj = read_plan(plan_file)
+        if cluster is None:
+            if plan_obj.cluster is None:
+                raise InputError(f"--plan {plan_file}: the plan names no cluster; pass --cluster")
+            cluster = plan_obj.cluster.source()
+            drift = cluster_of(plan_obj)[1]
+            if drift:
+                err_console.print(f"warning: {drift}", markup=False)
+        arch, model = plan_obj.model, plan_file
+        layout, devices = plan_obj.layout.to_string(), plan_obj.devices
+    if cluster is None or model is None or layout is None:
+        raise InputError("give --cluster, --model and --layout (or --plan FILE)")
     spec = load_cluster(cluster)
-    arch = load_spec(MoEArchitecture, model)
+    if plan_file is None:
+        arch = load_spec(MoEArchitecture, model)
     if plot is not None and plot.suffix.lower() != ".png":
         raise InputError(f"--plot {plot}: give a .png file name")
     if devices is not None and devices < 1:
@@ -208,7 +239,7 @@ def predict(
             console.print(f"plot: {plot}")
         return
 
-    lay = parse_layout(layout)
+    lay = parse_layout(layout) if plan_file is None else plan_obj.layout
     if lay.dp is None:
         n = spec.devices if devices is None else devices
         lay = lay.resolve(n)
@@ -222,15 +253,19 @@ def predict(
     problems = violations(arch, lay, n)
     if problems:
         raise InputError("invalid layout: " + "; ".join(problems))
+    problem = dispatcher_problem(spec, lay)
+    if problem:
+        raise InputError(problem)
     row = evaluate(arch, lay, spec, n).row(0)
-    payload = {"cluster": spec.name, "model": str(model), "layout": _layout_dict(lay), **row}
+    split = describe_split(arch.n_layers, arch.n_mtp_layers, lay)
+    payload = {"cluster": spec.name, "model": str(model), "layout": _layout_dict(lay), "pipeline_split": split, **row}
     if plot is not None:
         plot_breakdown([row], [lay.label()], plot, f"{model.stem} on {spec.name} ({n} devices)")
     if json_output:
         print_json(payload)
     else:
         console.print(_summary_table(row, spec.accelerator.usable_hbm_bytes,
-                                     f"{model.stem} on {spec.name}\n{lay.label()}"))
+                                     f"{model.stem} on {spec.name}\n{lay.label()}", split))
         console.print(_breakdown_table(row))
         console.print(_memory_table(row))
         if plot is not None:

@@ -38,7 +38,7 @@ def sweep(
     """Best predicted loss per value under the compute-optimal and the cluster-optimal budget."""
     import math
 
-    from mosaic.planner.sweep import plot_sweep
+    from mosaic.planner.sweep import optima_line, plot_sweep
     from mosaic.planner.sweep import sweep as run_sweep
     from perfmodel.specs.strict import write_text_atomic
 
@@ -66,6 +66,8 @@ def sweep(
                       fmt(r.get("cluster_optimal_loss")), fmt(r.get("cluster_optimal_mfu"), ".3f"),
                       str(r.get("cluster_optimal_geometry", "-")))
     console.print(table)
+    if over in ("sparsity", "granularity") and len(frame):
+        console.print(optima_line(frame), highlight=False)
     for path in (output, plot):
         if path:
             console.print(f"wrote {path}")

@@ -15,7 +15,10 @@ from mosaic.cli.common import cli_errors, console, print_json
 
 
 def _pct(value: float) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:+.1f}%"
+    """Signed percent: one decimal below 100%, none from there (the column stays narrow)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{100 * value:+.1f}%" if abs(value) < 0.995 else f"{100 * value:+.0f}%"
 
 
 def _num(value: float, fmt: str) -> str:
@@ -30,6 +33,21 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+RUN_ID_WIDTH = 34
+"""Run ids longer than this break after an underscore (the table then fits 80 columns)."""
+
+
+def _break_id(run_id: str, width: int = RUN_ID_WIDTH) -> str:
+    """`run_id` on lines of at most `width` characters, broken after underscores (an id without
+    one stays whole)."""
+    lines = []
+    while len(run_id) > width and "_" in run_id[1:width]:
+        cut = run_id.rindex("_", 1, width) + 1
+        lines.append(run_id[:cut])
+        run_id = run_id[cut:]
+    return "\n".join(lines + [run_id])
 
 
 @cli_errors
@@ -69,7 +87,7 @@ def validate(
             why[row.run_id] = str(row.reason)
         mfu = f"{_num(_times_100(row.measured_mfu), '.0f')}→{_num(_times_100(row.predicted_mfu), '.0f')}"
         table.add_row(
-            escape(row.run_id), str(row.devices), row.precision, _num(row.measured_step_time_s, ".3g"),
+            escape(_break_id(row.run_id)), str(row.devices), row.precision, _num(row.measured_step_time_s, ".3g"),
             _num(row.predicted_step_time_s, ".3g") + ("*" if row.run_id in why else ""), _pct(row.signed_error), mfu,
         )
     console.print(table)
@@ -80,6 +98,20 @@ def validate(
                       f"over {summary['compared']} of {summary['runs']} runs", highlight=False)
     else:
         console.print("mean APE: n/a  max APE: n/a (no run has a step-time prediction)", highlight=False)
+    if summary["by_cluster"]:
+        groups = Table(title="error by cluster and by kind of run", box=box.SIMPLE_HEAD, pad_edge=False)
+        for column, justify in (("group", "left"), ("runs", "right"), ("mean |error|", "right"),
+                                ("mean error", "right")):
+            groups.add_column(column, justify=justify, no_wrap=True)
+        for label, table_part in (("", summary["by_cluster"]), ("kind ", summary["by_kind"])):
+            for name, part in table_part.items():
+                groups.add_row(escape(label + name), str(part["runs"]), f"{part['mean_ape_pct']:.1f}%",
+                               f"{part['mean_signed_error_pct']:+.1f}%")
+        console.print(groups)
+    if summary["memory"]:
+        mem = summary["memory"]
+        console.print(f"peak memory (runs that published it): {mem['runs']} runs, mean |error| "
+                      f"{mem['mean_abs_error_pct']:.1f}%, mean error {mem['mean_signed_error_pct']:+.1f}%", highlight=False)
     if summary["predicted_infeasible"]:
         listed = ", ".join(f"{rid} ({why.get(rid, reason)})" for rid, reason in summary["predicted_infeasible"].items())
         console.print(f"* predicted infeasible although they ran (still scored unless unscored): {listed}", highlight=False)

@@ -5,12 +5,23 @@ argument parser: NVIDIA/Megatron-LM commit d98e8a64ddf34856e74b24714e3bedb2f5a39
 (2026-08-22, megatron-core 0.20.0), `megatron/training/arguments.py`, built
 with `add_megatron_arguments(argparse.ArgumentParser())` and listed (878
 options); the options used here are stored with that provenance in
-tests/exports/upstream_options.py. MindSpeed-LLM (mindspeed.py) reuses these
+tests/mosaic/exports/upstream_options.py. MindSpeed-LLM (mindspeed.py) reuses these
 groups on Megatron core_v0.12.1, checked the same way.
 
 Mapping from the plan (MOSAIC symbol -> Megatron option):
   tp, pp, cp, ep, etp   --tensor-/--pipeline-/--context-/--expert-model-/--expert-tensor-parallel-size
-  vpp > 1               --num-layers-per-virtual-pipeline-stage L/(pp*vpp)
+  vpp > 1               --num-layers-per-virtual-pipeline-stage L/(pp*vpp) (even split)
+  pipeline split        first/last_stage_layers: --decoder-first/last-pipeline-num-layers (vpp > 1:
+                        --num-virtual-stages-per-pipeline-rank vpp); account_embedding/_loss:
+                        --account-for-embedding/loss-in-pipeline-split (same vpp option); a layout
+                        string, balanced_split or the balanced default (pp*vpp does not divide L):
+                        --pipeline-model-parallel-layout with the resolved stages (vpp follows from it)
+  MLA                   --multi-latent-attention --q-lora-rank (when > 0) --kv-lora-rank
+                        --qk-head-dim head_dim - qk_rope_head_dim --qk-pos-emb-head-dim --v-head-dim
+  n_mtp_layers          --mtp-num-layers
+  dispatcher            alltoall / allgather: --moe-token-dispatcher-type; deepep / hybridep:
+                        flex --moe-flex-dispatcher-backend deepep|hybridep
+  capacity_factor       --moe-expert-capacity-factor (+ --moe-pad-expert-input-to-capacity)
   sequence_parallel     --sequence-parallel (only with tp > 1; Megatron ignores it at tp = 1)
   dp_flavor             ddp: (none); zero1: --use-distributed-optimizer;
                         fsdp: --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
@@ -22,10 +33,17 @@ Mapping from the plan (MOSAIC symbol -> Megatron option):
                         shared width: "num_shared_experts * ffn_size_of_each_shared_expert")
   n_dense_layers        --moe-layer-freq "([0]*n+[1]*(L-n))" (a per-layer 0/1 pattern)
   recompute             selective: --recompute-granularity selective --recompute-modules core_attn
-                        (the attention core, as the performance model's "selective");
+                        (the attention core, as the performance model's "selective"; with MLA also
+                        mla_up_proj, the up projections the model recomputes);
                         full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
   precision             bf16: --bf16; fp16: --fp16; fp8: --bf16 --fp8-format hybrid --fp8-recipe delayed;
                         mxfp8: --bf16 --fp8-format e4m3 --fp8-recipe mxfp8; fp32: (none)
+  overlap switches      overlap_grad_reduce: --overlap-grad-reduce; overlap_param_gather:
+                        --overlap-param-gather (zero1/fsdp, validate_args); tp_comm_overlap:
+                        --tp-comm-overlap (needs --sequence-parallel, validate_args); ep_comm_overlap:
+                        --overlap-moe-expert-parallel-comm (ModelParallelConfig fields, flags built by
+                        ArgumentGroupFactory; TransformerConfig checks ep > 1, no full recompute, vpp
+                        under pp > 1)
   train iterations      --train-iters ceil(tokens / (gbs * seq_len))
 The model flags describe the bundled trainer's model: RMSNorm, RoPE (base
 10000, Megatron's default), GQA, no linear biases, SwiGLU (or GeLU MLP).
@@ -38,6 +56,8 @@ from typing import Any, Optional
 
 from mosaic.exports.common import bash_array, header, node_shape
 from mosaic.planfile import Plan
+from perfmodel.errors import InputError
+from perfmodel.specs.stages import format_pp_layout, virtual_stage_layers
 
 MEGATRON_MATCHED = ("NVIDIA/Megatron-LM commit d98e8a64ddf3 (2026-08-22, megatron-core 0.20.0), "
                     "megatron/training/arguments.py")
@@ -63,6 +83,14 @@ def model_args(plan: Plan) -> list[str]:
             "--num-attention-heads", str(m.n_heads), "--kv-channels", str(m.head_dim)]
     if m.n_kv_heads != m.n_heads:
         args += ["--group-query-attention", "--num-query-groups", str(m.n_kv_heads)]
+    if m.kv_lora_rank > 0:
+        args.append("--multi-latent-attention")
+        if m.q_lora_rank > 0:
+            args += ["--q-lora-rank", str(m.q_lora_rank)]
+        args += ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.head_dim - m.qk_rope_head_dim),
+                 "--qk-pos-emb-head-dim", str(m.qk_rope_head_dim), "--v-head-dim", str(m.v_head_dim)]
+    if m.n_mtp_layers > 0:
+        args += ["--mtp-num-layers", str(m.n_mtp_layers)]
     if m.d_ff_dense > 0:
         args += ["--ffn-hidden-size", str(m.d_ff_dense)]
     args += ["--seq-length", str(m.seq_len), "--max-position-embeddings", str(m.seq_len),
@@ -84,22 +112,54 @@ def expert_args(plan: Plan) -> list[str]:
     return args
 
 
-def moe_args(plan: Plan, dispatcher: str = "alltoall") -> list[str]:
-    m = plan.model
+def capacity_args(plan: Plan) -> list[str]:
+    """Capacity-factor routing (Megatron-Core options MindSpeed-LLM's core_v0.12.1 has too)."""
+    lay = plan.layout
+    if lay.capacity_factor is None:
+        return []
+    return ["--moe-expert-capacity-factor", f"{lay.capacity_factor:g}"] + (
+        ["--moe-pad-expert-input-to-capacity"] if lay.pad_to_capacity else [])
+
+
+def moe_args(plan: Plan) -> list[str]:
+    m, lay = plan.model, plan.layout
     if m.n_experts == 0:
         return []
     args = expert_args(plan)
     if m.n_dense_layers > 0:
         args += ["--moe-layer-freq", moe_layer_pattern(m.n_layers, m.n_dense_layers)]
-    args += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", dispatcher]
-    return args
+    if lay.dispatcher in ("deepep", "hybridep"):
+        dispatch = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", lay.dispatcher]
+    else:
+        dispatch = ["--moe-token-dispatcher-type", lay.dispatcher]
+    return args + ["--moe-grouped-gemm", *dispatch, *capacity_args(plan)]
 
 
-def parallel_args(plan: Plan, fsdp_args: tuple[str, ...]) -> list[str]:
+def megatron_split_args(plan: Plan) -> list[str]:
+    """The pipeline split and virtual stages as Megatron's options (module doc)."""
+    lay, m = plan.layout, plan.model
+    if lay.pp == 1:
+        return []
+    vstages = ["--num-virtual-stages-per-pipeline-rank", str(lay.vpp)] if lay.vpp > 1 else []
+    if lay.first_stage_layers is not None or lay.last_stage_layers is not None:
+        args = ["--decoder-first-pipeline-num-layers", str(lay.first_stage_layers)] \
+            if lay.first_stage_layers is not None else []
+        if lay.last_stage_layers is not None:
+            args += ["--decoder-last-pipeline-num-layers", str(lay.last_stage_layers)]
+        return args + vstages
+    if lay.account_embedding or lay.account_loss:
+        return (["--account-for-embedding-in-pipeline-split"] if lay.account_embedding else []) + (
+            ["--account-for-loss-in-pipeline-split"] if lay.account_loss else []) + vstages
+    if lay.pp_layout or lay.balanced_split or m.n_layers % (lay.pp * lay.vpp):
+        return ["--pipeline-model-parallel-layout",
+                format_pp_layout(virtual_stage_layers(m.n_layers, lay), m.n_mtp_layers)]
+    return ["--num-layers-per-virtual-pipeline-stage", str(m.n_layers // (lay.pp * lay.vpp))] if lay.vpp > 1 else []
+
+
+def parallel_args(plan: Plan, fsdp_args: tuple[str, ...], split_args: list[str]) -> list[str]:
     lay, m = plan.layout, plan.model
     args = ["--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp)]
-    if lay.vpp > 1:
-        args += ["--num-layers-per-virtual-pipeline-stage", str(m.n_layers // (lay.pp * lay.vpp))]
+    args += split_args
     args += ["--context-parallel-size", str(lay.cp)]
     if m.n_experts > 0:
         args += ["--expert-model-parallel-size", str(lay.ep), "--expert-tensor-parallel-size", str(lay.etp)]
@@ -115,10 +175,39 @@ def parallel_args(plan: Plan, fsdp_args: tuple[str, ...]) -> list[str]:
 def recompute_args(plan: Plan) -> list[str]:
     mode = plan.layout.recompute
     if mode == "selective":
-        return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+        modules = ["core_attn", "mla_up_proj"] if plan.model.kv_lora_rank > 0 else ["core_attn"]
+        return ["--recompute-granularity", "selective", "--recompute-modules", *modules]
     if mode == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return []
+
+
+def overlap_args(plan: Plan, tp_flag: str = "--tp-comm-overlap",
+                 ep_flag: str = "--overlap-moe-expert-parallel-comm") -> list[str]:
+    """The layout's overlap switches as flags (`tp_flag` / `ep_flag`: the framework's names)."""
+    lay = plan.layout
+    if lay.tp_comm_overlap and tp_flag == "--tp-comm-overlap" and not (lay.sequence_parallel and lay.tp > 1):
+        raise InputError(f"{plan.source}: key 'layout.tp_comm_overlap': Megatron overlaps tensor-parallel "
+                         "communication only under sequence parallel; set sequence_parallel=true or turn it off")
+    if lay.ep_comm_overlap and ep_flag == "--overlap-moe-expert-parallel-comm":
+        why = [w for w, bad in (("full recompute", lay.recompute == "full"),
+                                ("pp > 1 without vpp", lay.pp > 1 and lay.vpp == 1),
+                                ("the allgather dispatcher", lay.dispatcher == "allgather"),
+                                ("fp32", lay.precision == "fp32")) if bad]
+        if why:
+            raise InputError(f"{plan.source}: key 'layout.ep_comm_overlap': Megatron-Core's "
+                             f"--overlap-moe-expert-parallel-comm refuses {', '.join(why)} (TransformerConfig); "
+                             "turn it off or change those")
+    args = []
+    if lay.overlap_grad_reduce:
+        args.append("--overlap-grad-reduce")
+    if lay.overlap_param_gather:
+        args.append("--overlap-param-gather")
+    if lay.tp_comm_overlap:
+        args.append(tp_flag)
+    if lay.ep_comm_overlap and plan.model.n_experts > 0:
+        args.append(ep_flag)
+    return args
 
 
 def precision_args(plan: Plan) -> list[str]:
@@ -142,13 +231,20 @@ MEGATRON_FSDP = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "op
 """Megatron-FSDP v1 needs the distributed optimizer and the fsdp_dtensor checkpoint format (validate_args)."""
 
 
-def pretrain_gpt_groups(plan: Plan, moe: list[str], fsdp: Any) -> list[ArgGroup]:
-    """The plan-derived groups of a Megatron `pretrain_gpt.py` (also MindSpeed-LLM's), given the MoE flags."""
+def pretrain_gpt_groups(plan: Plan, moe: list[str], fsdp: Any, split: list[str],
+                        overlap: Optional[list[str]] = None) -> list[ArgGroup]:
+    """The plan-derived groups of a Megatron `pretrain_gpt.py` (also MindSpeed-LLM's), given the MoE
+    and pipeline-split flags (and the overlap flags; default Megatron's, `overlap_args`)."""
+    lay = plan.layout
+    switches = [name for name in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap")
+                if getattr(lay, name)]
     return [
         ArgGroup("MODEL_ARGS", "model geometry (plan: model)", tuple(model_args(plan))),
         ArgGroup("MOE_ARGS", "routed/shared experts (plan: model)", tuple(moe)),
         ArgGroup("PARALLEL_ARGS", "parallel layout (plan: layout); dp = world / (tp*cp*pp) is derived",
-                 tuple(parallel_args(plan, fsdp))),
+                 tuple(parallel_args(plan, fsdp, split))),
+        ArgGroup("OVERLAP_ARGS", f"communication overlap (plan: {', '.join(switches) or 'none'})",
+                 tuple(overlap_args(plan) if overlap is None else overlap)),
         ArgGroup("RECOMPUTE_ARGS", f"activation recompute: {plan.layout.recompute}", tuple(recompute_args(plan))),
         ArgGroup("PRECISION_ARGS", f"precision: {plan.layout.precision}", tuple(precision_args(plan))),
         ArgGroup("BATCH_ARGS", f"batch and length: train-iters = ceil(tokens / (gbs * seq_len)) = "
@@ -158,7 +254,7 @@ def pretrain_gpt_groups(plan: Plan, moe: list[str], fsdp: Any) -> list[ArgGroup]
 
 def megatron_groups(plan: Plan) -> list[ArgGroup]:
     """The plan-derived argument groups (everything the plan decides)."""
-    return [g for g in pretrain_gpt_groups(plan, list(moe_args(plan)), MEGATRON_FSDP) if g.args]
+    return [g for g in pretrain_gpt_groups(plan, moe_args(plan), MEGATRON_FSDP, megatron_split_args(plan)) if g.args]
 
 
 def megatron_argv(plan: Plan) -> list[str]:

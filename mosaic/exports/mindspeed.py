@@ -21,6 +21,9 @@ definitions and documentation:
                                               layer % --moe-layer-freq == 0, so --moe-layer-freq 1)
     --tokenizer-type PretrainedFromHF, --tokenizer-name-or-path, --padded-vocab-size
                                               mindspeed_llm/features_manager/tokenizer/build_tokenizer.py
+    --num-layer-list                          mindspeed_llm/features_manager/pipeline_parallel/num_layer_list.py
+                                              (layers per pipeline rank, comma separated; not with
+                                              virtual pipeline stages)
 The launch layout (torchrun, --use-mcore-models, --transformer-impl local,
 --no-gradient-accumulation-fusion, --distributed-backend nccl, PYTORCH_NPU_ALLOC_CONF)
 follows MindSpeed-LLM's examples/mcore/qwen3_moe/pretrain_qwen3_30b_a3b_4K_ptd.sh.
@@ -30,7 +33,13 @@ dp_flavor fsdp uses Megatron core_v0.12.1's custom FSDP as MindSpeed documents i
 optim_grads_params --no-gradient-accumulation-fusion --use-distributed-optimizer, with
 CUDA_DEVICE_MAX_CONNECTIONS unset), without --moe-alltoall-overlap-comm (MindSpeed's own
 custom-FSDP test, tests_extend/system_tests/feature_tests/custom_fsdp.sh, does not combine them).
-Refused (InputError): fp8/mxfp8 precision.
+Overlap switches: overlap_grad_reduce / overlap_param_gather -> Megatron's flags; tp_comm_overlap
+-> --use-ascend-coc (mindspeed/features_manager/tensor_parallel/locl_coc.py, CoC: communication
+over computation); ep_comm_overlap -> --moe-alltoall-overlap-comm.
+The pipeline split: `mindspeed_split_args`. Multi-head latent attention, MTP and capacity factors use
+core_v0.12.1's own options (as megatron.py; MindSpeed-LLM's --multi-head-latent-attention,
+--qk-rope-head-dim and --qk-nope-head-dim are deprecated aliases of them, deprecated_args.py).
+Refused (InputError): fp8/mxfp8 precision; the deepep/hybridep dispatchers.
 """
 
 from __future__ import annotations
@@ -38,9 +47,18 @@ from __future__ import annotations
 from typing import Optional
 
 from mosaic.exports.common import bash_array
-from mosaic.exports.megatron import ArgGroup, expert_args, launch_script, pretrain_gpt_groups
+from mosaic.exports.megatron import (
+    ArgGroup,
+    capacity_args,
+    expert_args,
+    launch_script,
+    megatron_split_args,
+    overlap_args,
+    pretrain_gpt_groups,
+)
 from mosaic.planfile import Plan
 from perfmodel.errors import InputError
+from perfmodel.specs.stages import format_pp_layout, virtual_stage_layers
 
 MINDSPEED_MATCHED = (
     "NVIDIA/Megatron-LM tag core_v0.12.1 (a845aa7e12b3), megatron/training/arguments.py (MindSpeed-LLM's Megatron)",
@@ -61,19 +79,56 @@ def _check_supported(plan: Plan) -> None:
     if m.n_experts > 0 and m.n_dense_layers > 0 and lay.pp > 1 and m.n_dense_layers >= m.n_layers // lay.pp:
         raise InputError(f"{plan.source}: key 'model.n_dense_layers': MindSpeed-LLM refuses a pipeline stage made only "
                          f"of dense layers ({m.n_dense_layers} >= n_layers/pp = {m.n_layers // lay.pp}); lower pp")
+    if lay.dispatcher in ("deepep", "hybridep"):
+        raise InputError(f"{plan.source}: key 'layout.dispatcher': {lay.dispatcher} is not a MindSpeed-LLM dispatcher "
+                         "(core_v0.12.1 flex/DeepEP is CUDA-only); plan with dispatcher alltoall or allgather")
 
 
 def mindspeed_moe_args(plan: Plan) -> list[str]:
-    m = plan.model
+    m, lay = plan.model, plan.layout
     if m.n_experts == 0:
         return []
     args = expert_args(plan)
     if m.n_dense_layers > 0:
         args += ["--first-k-dense-replace", str(m.n_dense_layers), "--moe-layer-freq", "1"]
-    args += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"]
-    if plan.layout.ep > 1 and plan.layout.dp_flavor != "fsdp":
-        args.append("--moe-alltoall-overlap-comm")
+    args += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", lay.dispatcher, *capacity_args(plan)]
     return args
+
+
+def mindspeed_split_args(plan: Plan) -> list[str]:
+    """The pipeline split in core_v0.12.1 / MindSpeed-LLM options: Megatron's first/last and
+    account-for options as they are; any other uneven split as MindSpeed-LLM's --num-layer-list
+    (layers per pipeline rank; vpp = 1 only), or as first/last counts when it is one (core_v0.12.1
+    has no --pipeline-model-parallel-layout)."""
+    lay, m = plan.layout, plan.model
+    split = megatron_split_args(plan)
+    if not split or split[0] != "--pipeline-model-parallel-layout":
+        return split
+    counts = virtual_stage_layers(m.n_layers, lay)
+    ranks = [sum(counts[j] for j in range(r, len(counts), lay.pp)) for r in range(lay.pp)]
+    if lay.vpp == 1:
+        return ["--num-layer-list", ",".join(str(c) for c in ranks)]
+    chunks_equal = all(len({counts[c * lay.pp + r] for c in range(lay.vpp)}) == 1 for r in range(lay.pp))
+    if chunks_equal and len(set(ranks[1:-1])) <= 1:
+        return ["--decoder-first-pipeline-num-layers", str(ranks[0]), "--decoder-last-pipeline-num-layers",
+                str(ranks[-1]), "--num-virtual-stages-per-pipeline-rank", str(lay.vpp)]
+    raise InputError(f"{plan.source}: key 'layout.pp_layout': MindSpeed-LLM (Megatron core_v0.12.1) has no layout "
+                     f"string and no uneven interleaved split for {format_pp_layout(counts, m.n_mtp_layers)}; "
+                     "use vpp=1 (--num-layer-list) or first/last_stage_layers")
+
+
+def mindspeed_overlap_args(plan: Plan) -> list[str]:
+    """Megatron's data-parallel overlap flags (core_v0.12.1: --overlap-param-gather needs
+    --overlap-grad-reduce), MindSpeed's CoC for tensor-parallel overlap (--use-ascend-coc) and
+    its all-to-all overlap for expert parallel (--moe-alltoall-overlap-comm)."""
+    lay = plan.layout
+    if lay.overlap_param_gather and not lay.overlap_grad_reduce:
+        raise InputError(f"{plan.source}: key 'layout.overlap_param_gather': Megatron core_v0.12.1 (MindSpeed-LLM) "
+                         "overlaps the parameter gather only with overlap_grad_reduce; turn both on or both off")
+    if lay.ep_comm_overlap and lay.dp_flavor == "fsdp":
+        raise InputError(f"{plan.source}: key 'layout.ep_comm_overlap': MindSpeed's custom FSDP is not combined with "
+                         "--moe-alltoall-overlap-comm; use zero1 or turn it off")
+    return overlap_args(plan, tp_flag="--use-ascend-coc", ep_flag="--moe-alltoall-overlap-comm")
 
 
 def mindspeed_fused_args(plan: Plan) -> list[str]:
@@ -88,7 +143,8 @@ def mindspeed_fused_args(plan: Plan) -> list[str]:
 def mindspeed_groups(plan: Plan) -> list[ArgGroup]:
     """Plan-derived groups for MindSpeed-LLM's pretrain_gpt.py."""
     _check_supported(plan)
-    groups = pretrain_gpt_groups(plan, list(mindspeed_moe_args(plan)), MINDSPEED_FSDP)
+    groups = pretrain_gpt_groups(plan, mindspeed_moe_args(plan), MINDSPEED_FSDP, mindspeed_split_args(plan),
+                                 mindspeed_overlap_args(plan))
     groups.append(ArgGroup("MINDSPEED_ARGS", "MindSpeed fused kernels and launch options", tuple(mindspeed_fused_args(plan))))
     return [g for g in groups if g.args]
 

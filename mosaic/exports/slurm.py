@@ -24,6 +24,7 @@ from typing import Optional
 
 from mosaic.exports.common import header, node_shape, shell_word
 from mosaic.planfile import Plan
+from perfmodel.errors import InputError
 
 SLURM_MATCHED = (
     "SchedMD/slurm commit 284c3b95f08a (Slurm 26.11.0) doc/man/man1/{sbatch,srun,scontrol}.1",
@@ -32,7 +33,16 @@ SLURM_MATCHED = (
 
 
 def render_slurm(plan: Plan, gpus_per_node: Optional[int] = None, plan_path: Optional[str] = None) -> str:
-    """The sbatch script; `plan_path` is the plan file the job reads (default: the plan's absolute path)."""
+    """The sbatch script; `plan_path` is the plan file the job reads (default: the plan's absolute path).
+    The job runs the bundled trainer, so a plan using what it does not implement
+    (`unsupported_features`: MTP, MLA with tp > 1, another dispatcher, a capacity factor) is refused
+    here, with the trainer's reason."""
+    from mosaic.trainer.config import unsupported_features
+
+    problems = unsupported_features(plan.model, plan.layout)
+    if problems:
+        raise InputError(f"{plan.source}: the bundled trainer (mosaic train) cannot run this plan: "
+                         + "; ".join(problems))
     shape = node_shape(plan, gpus_per_node)
     path = plan_path or str(Path(plan.source).resolve())
     job_name = "mosaic-" + Path(plan.source).stem

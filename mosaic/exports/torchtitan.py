@@ -3,7 +3,7 @@
 Matched against pytorch/torchtitan tag v0.2.2 (commit 73a0e6979dd1, 2026-02-20):
 `torchtitan/config/job_config.py` (the JobConfig dataclasses: every section.key
 written here is one of its fields; the list is stored with provenance in
-tests/exports/upstream_options.py), `torchtitan/distributed/parallel_dims.py`
+tests/mosaic/exports/upstream_options.py), `torchtitan/distributed/parallel_dims.py`
 (ep folds into dp_shard*cp*tp; etp must be 1 or tp), `torchtitan/distributed/
 pipeline_parallel.py` (layers per virtual stage, microbatches = local_batch_size /
 pipeline_parallel_microbatch_size), `torchtitan/train.py` (gradient accumulation
@@ -20,7 +20,16 @@ torchtitan's Qwen3 train spec with the plan's `Qwen3ModelArgs(...)` (and
 torchtitan's `pipeline_llm`, which v0.2.2's qwen3 spec lacks); the TOML names
 it in [model] and loads it through [experimental] custom_import. Where torchtitan's Qwen3 cannot express the plan
 (dense first layers, a non-gated MLP, tp without sequence parallel), the header
-says so in a WARNING line and `mosaic export` repeats it on stderr.
+says so in a WARNING line and `mosaic export` repeats it on stderr. A plan with multi-head latent
+attention registers torchtitan's DeepSeek-V3 train spec instead (`DeepSeekV3ModelArgs`:
+torchtitan/models/deepseek_v3/model/args.py at v0.2.2; MLA ranks and head dims, dense first
+layers, routed + shared experts); MTP modules, the allgather/hybridep dispatchers and capacity
+factors have no torchtitan equivalent (WARNING lines); dispatcher deepep sets
+parallelism.expert_parallel_comm_backend = "deepep".
+
+Pipeline: the even split as pipeline_parallel_layers_per_stage; stages of unequal depth (any of
+the layout's split options, `perfmodel.specs.stages`) as parallelism.module_fqns_per_model_part,
+torchtitan's explicit list of every model part's modules.
 
 Layout mapping:
   fsdp    data_parallel_shard_degree = dp
@@ -31,6 +40,12 @@ Layout mapping:
           ranks, so the smallest shard degree that holds ep is used (HSDP) and the header says so
   recompute selective -> mode "selective" with selective_ac_option "op" (per-op policy: matmul
           outputs saved, cheap ops recomputed; Megatron's selective recomputes the attention core)
+  overlap tp_comm_overlap -> parallelism.enable_async_tensor_parallel = true with compile.enable
+          = true (async TP runs only compiled, job_config.py); overlap_grad_reduce /
+          overlap_param_gather: FSDP2 prefetches the next gather and reduces behind the backward
+          by itself (nothing to set; a plan with them off says so in a WARNING); ep_comm_overlap:
+          refused (v0.2.2 overlaps expert-parallel communication only inside the DualPipeV
+          pipeline schedule, `pipeline_parallel_expert_parallel_overlap`)
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ import yaml
 from mosaic.exports.common import header
 from mosaic.planfile import Plan
 from perfmodel.errors import InputError
+from perfmodel.specs.stages import virtual_stage_layers
 from perfmodel.specs.strict import to_mapping
 
 TORCHTITAN_MATCHED = "pytorch/torchtitan tag v0.2.2 (73a0e6979dd1, 2026-02-20), torchtitan/config/job_config.py"
@@ -73,17 +89,47 @@ def qwen3_model_args(plan: Plan) -> dict[str, Any]:
     return args
 
 
+def deepseek_v3_model_args(plan: Plan) -> dict[str, Any]:
+    """Keyword arguments of torchtitan's DeepSeekV3ModelArgs (multi-head latent attention, dense first
+    layers, routed + shared experts) for an MLA plan; original_seq_len = seq_len keeps YaRN off."""
+    m = plan.model
+    args: dict[str, Any] = {
+        "vocab_size": m.vocab_size, "max_seq_len": m.seq_len, "original_seq_len": m.seq_len, "dim": m.d_model,
+        "inter_dim": m.d_ff_dense if m.d_ff_dense > 0 else m.d_expert, "moe_inter_dim": m.d_expert,
+        "n_layers": m.n_layers, "n_dense_layers": m.n_dense_layers if m.n_experts > 0 else m.n_layers,
+        "n_heads": m.n_heads, "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.head_dim - m.qk_rope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim, "rope_theta": ROPE_THETA,
+    }
+    if m.n_experts > 0:
+        args["moe_args"] = {"num_experts": m.n_experts, "num_shared_experts": m.n_shared_experts,
+                            "top_k": m.top_k, "score_func": "softmax", "route_norm": True}
+    return args
+
+
 def model_differences(plan: Plan) -> list[str]:
-    """What torchtitan's Qwen3 builds differently from the plan's model."""
+    """What torchtitan's model (Qwen3, or DeepSeek-V3 for multi-head latent attention) builds
+    differently from the plan's model and layout."""
     m, lay = plan.model, plan.layout
     notes = []
-    if m.n_experts > 0 and m.n_dense_layers > 0:
+    if m.n_experts > 0 and m.n_dense_layers > 0 and m.kv_lora_rank == 0:
         notes.append(f"torchtitan's Qwen3 has no dense first layers: its first {m.n_dense_layers} layer(s) "
                      "are MoE layers too")
     if not m.gated_ffn:
         notes.append("torchtitan's FFN is SwiGLU; the plan's model uses a plain (GeLU) MLP")
     if lay.tp > 1 and not lay.sequence_parallel:
         notes.append("torchtitan's tensor parallel always shards norms over the sequence (sequence parallel)")
+    if not (lay.overlap_grad_reduce and (lay.overlap_param_gather or lay.dp_flavor == "ddp")):
+        notes.append("torchtitan's FSDP2/DDP overlap the gradient reduce and parameter gather by themselves; "
+                     "the plan priced them exposed (overlap_grad_reduce / overlap_param_gather off)")
+    if m.kv_lora_rank > 0 and m.tie_embeddings:
+        notes.append("torchtitan's DeepSeek-V3 does not tie the embeddings")
+    if m.n_mtp_layers > 0:
+        notes.append(f"torchtitan has no multi-token prediction: the plan's {m.n_mtp_layers} MTP module(s) are left out")
+    if m.n_experts > 0 and lay.dispatcher in ("allgather", "hybridep"):
+        notes.append(f"torchtitan has no {lay.dispatcher} dispatcher: the export uses its standard all-to-all")
+    if m.n_experts > 0 and lay.capacity_factor is not None:
+        notes.append("torchtitan routes dropless: the plan's capacity factor is left out")
     return notes
 
 
@@ -110,13 +156,18 @@ def flavor_module(plan: Plan) -> str:
     pipelining function (pipelining_fn=None) although the Qwen3 model passes through missing
     stages, so the spec registered here adds torchtitan's `pipeline_llm`.
     """
-    call = _python_call("Qwen3ModelArgs", qwen3_model_args(plan), indent="        ")
+    if plan.model.kv_lora_rank > 0:
+        call = _python_call("DeepSeekV3ModelArgs", deepseek_v3_model_args(plan), indent="        ")
+        model_import = "from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs, get_train_spec"
+    else:
+        call = _python_call("Qwen3ModelArgs", qwen3_model_args(plan), indent="        ")
+        model_import = "from torchtitan.models.qwen3 import Qwen3ModelArgs, get_train_spec"
     lines = [
         "import dataclasses",
         "",
         "from torchtitan.distributed.pipeline_parallel import pipeline_llm",
         "from torchtitan.models.moe import MoEArgs",
-        "from torchtitan.models.qwen3 import Qwen3ModelArgs, get_train_spec",
+        model_import,
         "from torchtitan.protocols.train_spec import register_train_spec",
         "",
         "register_train_spec(",
@@ -180,11 +231,25 @@ def job_tables(plan: Plan) -> dict[str, dict[str, Any]]:
         tables["parallelism"].update({
             "pipeline_parallel_degree": lay.pp,
             "pipeline_parallel_schedule": "Interleaved1F1B" if lay.vpp > 1 else "1F1B",
-            "pipeline_parallel_layers_per_stage": m.n_layers // (lay.pp * lay.vpp),
-            "pipeline_parallel_first_stage_less_layers": 0,  # layers split evenly, as the performance model does
-            "pipeline_parallel_last_stage_less_layers": 0,
-            "pipeline_parallel_microbatch_size": lay.mbs,
         })
+        counts = virtual_stage_layers(m.n_layers, lay)
+        if len(set(counts)) == 1:  # the even split
+            tables["parallelism"].update({
+                "pipeline_parallel_layers_per_stage": counts[0],
+                "pipeline_parallel_first_stage_less_layers": 0,  # layers split evenly, as the performance model does
+                "pipeline_parallel_last_stage_less_layers": 0,
+            })
+        else:  # stages of unequal depth: every model part's modules, as the plan splits them
+            tables["parallelism"]["module_fqns_per_model_part"] = module_fqns_per_model_part(counts)
+        tables["parallelism"]["pipeline_parallel_microbatch_size"] = lay.mbs
+    if m.n_experts > 0 and lay.dispatcher == "deepep":
+        tables["parallelism"]["expert_parallel_comm_backend"] = "deepep"
+    if lay.ep_comm_overlap:
+        raise InputError(f"{plan.source}: key 'layout.ep_comm_overlap': torchtitan v0.2.2 overlaps expert-parallel "
+                         "communication only in the DualPipeV pipeline schedule; plan with ep_comm_overlap=false")
+    if lay.tp_comm_overlap:
+        tables["parallelism"]["enable_async_tensor_parallel"] = True
+        tables["compile"] = {"enable": True}
     checkpoint = tables["activation_checkpoint"]
     checkpoint["mode"] = lay.recompute
     if lay.recompute == "selective":
@@ -200,6 +265,20 @@ def job_tables(plan: Plan) -> dict[str, dict[str, Any]]:
             tables[f"quantize.grouped_mm.{kind}"] = {"fqns": ["experts"]}
         tables["model"]["converters"] = converters
     return tables
+
+
+def module_fqns_per_model_part(counts: list[int] | tuple[int, ...]) -> list[list[str]]:
+    """torchtitan's module names of each model part (virtual stage): the embedding on the first,
+    `counts[j]` consecutive layers on part j, the final norm and the LM head on the last."""
+    parts, layer = [], 0
+    for j, count in enumerate(counts):
+        names = ["tok_embeddings"] if j == 0 else []
+        names += [f"layers.{i}" for i in range(layer, layer + count)]
+        layer += count
+        if j == len(counts) - 1:
+            names += ["norm", "output"]
+        parts.append(names)
+    return parts
 
 
 def _toml_value(value: Any) -> str:
@@ -238,5 +317,5 @@ def render_torchtitan(plan: Plan, gpus_per_node: Optional[int] = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["TORCHTITAN_MATCHED", "FLAVOR", "flavor_module", "flavor_name", "job_tables", "model_differences",
-           "parallel_degrees", "qwen3_model_args", "render_torchtitan"]
+__all__ = ["TORCHTITAN_MATCHED", "FLAVOR", "deepseek_v3_model_args", "flavor_module", "flavor_name", "job_tables",
+           "model_differences", "module_fqns_per_model_part", "parallel_degrees", "qwen3_model_args", "render_torchtitan"]

@@ -3,21 +3,31 @@
 Layout does not change loss, so a geometry is worth its best feasible layout:
 the one with the highest model FLOP/s (= tokens/s x FLOPs per token; for one
 geometry that is the highest tokens/s). Pairs are built in vectorised chunks,
-filtered by the shared validity rules (`perfmodel.validity.valid_mask`), then:
+filtered by the shared validity rules (`perfmodel.validity.valid_mask`), then
+pruned, exactly:
 
+  overlap dominance   a layout row with an overlap switch off whose sibling with it on
+                      is allowed is dropped from the grid (`overlap_dominated`: same
+                      validity, same memory, never slower while compute_slowdown <= 1)
   memory pruning      memory per device from `perfmodel.memory.stage_memory` (the
                       formula `evaluate` uses, without the timing half): pairs above
                       usable HBM are infeasible and never timed. First its static part
                       (weights, gradients, optimizer, buffers: independent of mbs,
                       recompute and sequence parallel) on the distinct sharding keys,
                       a lower bound that skips the full formula for hopeless pairs
-  dominated layouts   a pair whose layout differs from a memory-feasible pair of the
+  recompute dominance a pair whose layout differs from a memory-feasible pair of the
                       same geometry only by more activation recompute (none <
                       selective < full) cannot be faster (recompute only adds work),
                       so it is not timed
+  compute bound       tokens/s <= `bounds.ComputeBound` (perfmodel's own per-block
+                      compute tables, cached per layer shape): the pair with the highest
+                      bound is timed first, then only pairs whose bound beats the best
+                      found; a geometry whose bound cannot reach the caller's floor is
+                      left there (`exact` False)
 
-Both prunings leave every geometry's best feasible layout unchanged (tested:
-pruned and unpruned tables agree).
+All prunings leave every geometry's best feasible tokens/s unchanged (tested:
+pruned and unpruned searches agree; a timed pair above its bound makes the search
+rerun without the bounds).
 """
 
 from __future__ import annotations
@@ -30,11 +40,13 @@ from typing import Any, Optional
 import numpy as np
 
 import perfmodel
+from mosaic.planner.bounds import ComputeBound
 from perfmodel.memory import stage_memory
+from perfmodel.schedule import pipeline_stages
 from perfmodel.specs.architecture import ArchBatch
 from perfmodel.specs.cluster import ClusterSpec
-from perfmodel.specs.layout import LAYOUT_FIELDS, RECOMPUTE_MODES, LayoutBatch, gbs_holding_tokens
-from perfmodel.validity import valid_mask
+from perfmodel.specs.layout import LAYOUT_FIELDS, OVERLAP_FIELDS, RECOMPUTE_MODES, LayoutBatch, gbs_holding_tokens
+from perfmodel.validity import RULES, valid_mask
 
 REASONS = perfmodel.REASONS
 MEMORY_REASON = REASONS.index("memory")
@@ -53,10 +65,53 @@ def memory_per_device(archs: ArchBatch, lays: LayoutBatch, cluster: ClusterSpec)
     return perfmodel.memory.memory_per_device(archs, lays, cluster).total_bytes
 
 
+OVERLAP_RULES = ("tp_overlap_needs_tp", "ep_overlap_needs_ep", "param_gather_overlap_needs_sharding")
+"""The validity rules that read the overlap switches; each reads the layout only (tested), so
+whether a switch may be on is a property of the layout row."""
+
+
+def overlap_allowed(grid: LayoutBatch) -> np.ndarray:
+    """Rows whose overlap switches the overlap rules allow (the others are valid for no geometry)."""
+    allowed = np.ones(len(grid), dtype=bool)
+    for name, rule, _ in RULES:
+        if name in OVERLAP_RULES:
+            allowed &= np.asarray(rule(None, grid), dtype=bool)
+    return allowed
+
+
+def overlap_dominated(grid: LayoutBatch) -> np.ndarray:
+    """Rows of `grid` dominated by a sibling with one more overlap switch on, every other field
+    equal, that the overlap rules allow: that sibling is valid for exactly the geometries the row
+    is valid for, needs the same memory (memory does not read the switches) and is never slower
+    (each hidden second costs `Overlap.compute_slowdown` <= 1 instead of 1; a second of window
+    taken by one class is at most a second another class could have hidden; the host's dispatch
+    max(launches, device time) does not grow when device time falls)."""
+    fields = list(LAYOUT_FIELDS)
+    cols = grid.key_columns(fields)
+    allowed = overlap_allowed(grid)
+    _, group = np.unique(np.delete(cols, [fields.index(f) for f in OVERLAP_FIELDS], axis=1), axis=0,
+                         return_inverse=True)
+    group = group.ravel()
+    flags = cols[:, [fields.index(f) for f in OVERLAP_FIELDS]]
+    code = flags @ (1 << np.arange(len(OVERLAP_FIELDS)))
+    key = group * (1 << len(OVERLAP_FIELDS)) + code
+    order = np.argsort(key)
+    dominated = np.zeros(len(cols), dtype=bool)
+    for j in range(len(OVERLAP_FIELDS)):
+        off = flags[:, j] == 0
+        sib_key = key + (1 << j)
+        pos = np.searchsorted(key[order], sib_key)
+        pos = np.minimum(pos, len(order) - 1)
+        found = key[order][pos] == sib_key
+        sib = order[pos]
+        dominated |= off & found & allowed[sib]
+    return dominated
+
+
 def recompute_siblings(grid: LayoutBatch) -> list[np.ndarray]:
     """For each layout, the indices of the same layout with less recompute (-1 where absent)."""
     key_fields = [f for f in LAYOUT_FIELDS if f not in ("recompute", "gbs")]
-    keys = np.stack([np.asarray(getattr(grid, f), dtype=np.int64) for f in key_fields], axis=1)
+    keys = grid.key_columns(key_fields)
     _, group = np.unique(keys, axis=0, return_inverse=True)
     group = group.ravel()
     rec = np.asarray(grid.recompute)
@@ -87,8 +142,21 @@ class GeometryResults:
     pruning a lower bound (the static part) where the full formula was skipped."""
     min_memory_layout: np.ndarray
     n_valid: np.ndarray
+    """Pairs the validity rules accept, per geometry; of these:"""
+    n_dominated: np.ndarray
+    """... left out because a sibling layout with more overlap or less recompute is valid (and fits)"""
     n_memory_ok: np.ndarray
+    """... within usable HBM (memory computed), not dominated"""
+    n_bounded: np.ndarray
+    """... not timed: their compute bound could not beat the geometry's best (or its floor)"""
     n_timed: np.ndarray
+    """... timed by `perfmodel.evaluate`"""
+    bound_ok: np.ndarray
+    """False where a timed pair beat its compute bound (`bounds.ComputeBound`: the search then
+    reruns without the bounds)."""
+    exact: np.ndarray
+    """False where the geometry was left at its floor (`PairEvaluator.run`): its best layout is
+    not known, only that its tokens/s do not exceed the floor."""
     evaluation_row: np.ndarray
     """Row of `evaluations` with the best layout's whole prediction (-1: no feasible layout)."""
     evaluations: Optional[perfmodel.EvalResult] = None
@@ -115,7 +183,7 @@ class GeometryResults:
 
     @staticmethod
     def empty() -> GeometryResults:
-        return GeometryResults(**{name: np.zeros(0) for name in _ARRAY_FIELDS},
+        return GeometryResults(**{name: np.zeros(0, dtype=bool if name in ("exact", "bound_ok") else float) for name in _ARRAY_FIELDS},
                                evaluation_row=np.zeros(0, dtype=np.int64))
 
     def take(self, index: np.ndarray) -> GeometryResults:
@@ -138,15 +206,25 @@ class PairEvaluator:
 
     def __init__(self, archs: ArchBatch, grid: LayoutBatch, cluster: ClusterSpec, devices: int, gbs_tokens: float,
                  prune: bool = True) -> None:
-        self.archs, self.grid, self.cluster, self.devices = archs, grid, cluster, devices
+        self.archs, self.cluster, self.devices = archs, cluster, devices
         self.gbs_tokens, self.prune = gbs_tokens, prune
         self.hbm = cluster.accelerator.usable_hbm_bytes
+        self.space_layouts = len(grid)
+        """Layouts of the space's grid; `grid` keeps those no overlap sibling dominates (pruned)."""
+        if prune and cluster.overlap.compute_slowdown <= 1.0:
+            grid = grid.take(np.flatnonzero(overlap_allowed(grid) & ~overlap_dominated(grid)))
         self.siblings = recompute_siblings(grid)
+        self.grid = grid
         key_fields = [f for f in LAYOUT_FIELDS if f not in STATIC_FREE_FIELDS]
-        keys = np.stack([np.asarray(getattr(grid, f), dtype=np.int64) for f in key_fields], axis=1)
+        keys = grid.key_columns(key_fields)
         _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         self.key_grid = dataclasses.replace(grid.take(first), gbs=np.asarray(grid.mbs)[first] * np.asarray(grid.dp)[first])
         self.key_of_layout = inverse.ravel()
+        self.bound = ComputeBound(archs, grid, cluster, devices) if prune else None
+        self.counts = {"built": 0, "timed": 0}
+        """Pairs built and pairs timed by this evaluator's runs (in this process)."""
+        self.bound_violated = False
+        """Set when a timed pair beat its compute bound (the search then reruns without it)."""
         self.max_mfu_seen = 0.0
 
     def static_memory(self, geo_index: np.ndarray) -> np.ndarray:
@@ -157,11 +235,11 @@ class PairEvaluator:
         g = np.repeat(geo_index, n_k)
         k = np.tile(np.arange(n_k), n_g)
         archs, lays = self.archs.take(g), self.key_grid.take(k)
-        per_stage = []
-        for st in ("first", "last"):
-            parts = stage_memory(archs, lays, self.cluster, st)
-            per_stage.append(sum(parts[c] for c in STATIC_COMPONENTS))
-        static = np.maximum(per_stage[0], per_stage[1]).reshape(n_g, n_k)
+        static = np.zeros(n_g * n_k)
+        for stage in pipeline_stages(archs, lays):
+            parts = stage_memory(archs, lays, self.cluster, stage)
+            static = np.maximum(static, sum(parts[c] for c in STATIC_COMPONENTS))
+        static = static.reshape(n_g, n_k)
         return static[:, self.key_of_layout]
 
     def pairs(self, geo_index: np.ndarray) -> tuple[ArchBatch, LayoutBatch, np.ndarray, np.ndarray]:
@@ -173,53 +251,96 @@ class PairEvaluator:
         lays = dataclasses.replace(lays, gbs=gbs_holding_tokens(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
         return archs, lays, g, lay_i
 
-    def run(self, geo_index: np.ndarray, progress: Optional[ProgressFn] = None) -> GeometryResults:
+    def run(self, geo_index: np.ndarray, progress: Optional[ProgressFn] = None,
+            floor: Optional[np.ndarray] = None) -> GeometryResults:
+        """Best feasible layout of each geometry. `floor`: tokens/s each geometry must exceed to
+        matter to the caller (None: all matter); a geometry whose bound stays at or below it is
+        returned with `exact` False (its best is at most the floor, not searched further)."""
         geo_index = np.asarray(geo_index, dtype=np.int64)
         n_g, n_l = len(geo_index), len(self.grid)
-        archs, lays, _, _ = self.pairs(geo_index)
+        floor_g = np.zeros(n_g) if floor is None else np.asarray(floor, dtype=float)
+        self.counts["built"] += n_g * n_l
+        archs, lays, g_of, l_of = self.pairs(geo_index)
         valid = valid_mask(archs, lays, self.devices)
         valid_m = valid.reshape(n_g, n_l)
         memory = np.full(n_g * n_l, np.inf)
+        tokens = np.zeros(n_g * n_l)
+        mfu = np.zeros(n_g * n_l)
+        step = np.full(n_g * n_l, np.inf)
+        stats = {"dominated": np.zeros(n_g, dtype=np.int64), "bounded": np.zeros(n_g, dtype=np.int64)}
+        exact = np.ones(n_g, dtype=bool)
+        bound_ok = np.ones(n_g, dtype=bool)
+        results: list[tuple[np.ndarray, perfmodel.EvalResult]] = []
+
+        def time_pairs(idx: np.ndarray) -> None:
+            if not len(idx):
+                return
+            res = perfmodel.evaluate(archs.take(idx), lays.take(idx), self.cluster, self.devices)
+            self.counts["timed"] += len(idx)
+            ok = res.feasible
+            tokens[idx] = np.where(ok, res.tokens_per_s, 0.0)
+            mfu[idx] = np.where(ok, res.mfu, 0.0)
+            step[idx] = np.where(ok, res.step_time_s, np.inf)
+            if np.any(ok):
+                self.max_mfu_seen = max(self.max_mfu_seen, float(np.max(res.mfu[ok])))
+            results.append((idx, res))
+
         if self.prune:
+            dominated = np.zeros_like(valid_m)
             static = self.static_memory(geo_index)
             candidate = valid_m & (static <= self.hbm)
+            ub = np.zeros(n_g * n_l)
+            c_idx = np.flatnonzero(candidate.ravel())
+            if len(c_idx) and self.bound is None:
+                ub[c_idx] = np.inf
+            elif len(c_idx):
+                ub[c_idx] = self.bound.tokens_per_s(g_of[c_idx], l_of[c_idx], archs.take(c_idx), lays.take(c_idx))
+            ub_m = ub.reshape(n_g, n_l)
+            above = candidate & (ub_m > floor_g[:, None])
+            exact &= ~np.any(candidate & ~above, axis=1)  # provisional: restored below where the best beats the floor
+            stats["bounded"] += (candidate & ~above).sum(axis=1)
             fits = np.zeros_like(valid_m)
-            dominated = np.zeros_like(valid_m)
             rec = np.asarray(self.grid.recompute)
             for level in range(len(RECOMPUTE_MODES)):
                 # a sibling with less recompute that fits dominates (recompute only adds time)
                 sib = self.siblings[level]
                 has = sib >= 0
                 dominated[:, has] |= fits[:, sib[has]]
-                at_level = candidate & ~dominated & (rec == level)[None, :]
+                at_level = above & ~dominated & (rec == level)[None, :]
                 idx = np.flatnonzero(at_level.ravel())
                 if len(idx):
                     memory[idx] = memory_per_device(archs.take(idx), lays.take(idx), self.cluster)
                 fits |= at_level & (memory.reshape(n_g, n_l) <= self.hbm)
             todo = fits & ~dominated
+            stats["dominated"] += (valid_m & dominated).sum(axis=1)
+            # time the pair with the highest bound first, then every pair whose bound beats the best found
+            masked = np.where(todo, ub_m, -np.inf)
+            first = np.argmax(masked, axis=1)
+            has = np.isfinite(masked[np.arange(n_g), first])
+            time_pairs(np.flatnonzero(has) * n_l + first[has])
+            best = tokens.reshape(n_g, n_l).max(axis=1)
+            timed = np.zeros_like(valid_m)
+            timed[np.flatnonzero(has), first[has]] = True
+            rest = todo & ~timed & (ub_m > best[:, None])
+            time_pairs(np.flatnonzero(rest.ravel()))
+            timed |= rest
+            stats["bounded"] += (todo & ~timed).sum(axis=1)
+            beat = (tokens > ub * (1.0 + 1e-9)).reshape(n_g, n_l) & timed
+            bound_ok = ~np.any(beat, axis=1)
+            self.bound_violated |= not bool(np.all(bound_ok))
             skipped = valid & ~np.isfinite(memory)
             memory[skipped] = static.ravel()[skipped]  # a lower bound where the full formula was skipped
+            best = tokens.reshape(n_g, n_l).max(axis=1)
+            exact |= best > floor_g
         else:
             v_idx = np.flatnonzero(valid)
             memory[v_idx] = memory_per_device(archs.take(v_idx), lays.take(v_idx), self.cluster)
             fits = valid_m & (memory.reshape(n_g, n_l) <= self.hbm)
             todo = valid_m.copy()
-        mem_m = memory.reshape(n_g, n_l)
-        t_idx = np.flatnonzero(todo.ravel())
-        tokens = np.zeros(n_g * n_l)
-        mfu = np.zeros(n_g * n_l)
-        step = np.full(n_g * n_l, np.inf)
-        res = None
-        if len(t_idx):
-            res = perfmodel.evaluate(archs.take(t_idx), lays.take(t_idx), self.cluster, self.devices)
-            ok = res.feasible
-            tokens[t_idx] = np.where(ok, res.tokens_per_s, 0.0)
-            mfu[t_idx] = np.where(ok, res.mfu, 0.0)
-            step[t_idx] = np.where(ok, res.step_time_s, np.inf)
-            if np.any(ok):
-                self.max_mfu_seen = max(self.max_mfu_seen, float(np.max(res.mfu[ok])))
+            time_pairs(np.flatnonzero(todo.ravel()))
         if progress is not None:
             progress(n_g * n_l)
+        mem_m = memory.reshape(n_g, n_l)
         tok_m = tokens.reshape(n_g, n_l)
         best = np.argmax(tok_m, axis=1)
         rows = np.arange(n_g)
@@ -229,10 +350,14 @@ class PairEvaluator:
         min_mem_l = np.argmin(mem_m, axis=1)
         evaluation_row = np.full(n_g, -1, dtype=np.int64)
         evaluations = None
-        if res is not None and np.any(has_best):
+        if results and np.any(has_best):
             position = np.full(n_g * n_l, -1, dtype=np.int64)
-            position[t_idx] = np.arange(len(t_idx))
-            evaluations = res.take(position[flat_best[has_best]])
+            offset = 0
+            for idx, _ in results:
+                position[idx] = np.arange(len(idx)) + offset
+                offset += len(idx)
+            store = results[0][1] if len(results) == 1 else perfmodel.EvalResult.concat([r for _, r in results])
+            evaluations = store.take(position[flat_best[has_best]])
             evaluation_row[has_best] = np.arange(int(has_best.sum()))
         return GeometryResults(
             index=geo_index,
@@ -245,8 +370,12 @@ class PairEvaluator:
             min_memory_bytes=mem_m[rows, min_mem_l],
             min_memory_layout=np.where(np.isfinite(mem_m[rows, min_mem_l]), min_mem_l, -1),
             n_valid=valid_m.sum(axis=1),
+            n_dominated=stats["dominated"],
             n_memory_ok=fits.sum(axis=1),
-            n_timed=todo.sum(axis=1),
+            n_bounded=stats["bounded"],
+            n_timed=_count_timed(results, n_g, n_l),
+            bound_ok=bound_ok,
+            exact=exact,
             evaluation_row=evaluation_row,
             evaluations=evaluations,
         )
@@ -257,4 +386,12 @@ class PairEvaluator:
         return dataclasses.replace(one, gbs=np.asarray([int(gbs)])).row(0)
 
 
-__all__ = ["GeometryResults", "PairEvaluator", "memory_per_device", "recompute_siblings"]
+def _count_timed(results: list[tuple[np.ndarray, Any]], n_g: int, n_l: int) -> np.ndarray:
+    """Pairs `evaluate` timed, per geometry position."""
+    out = np.zeros(n_g, dtype=np.int64)
+    for idx, _ in results:
+        out += np.bincount(idx // n_l, minlength=n_g)
+    return out
+
+
+__all__ = ["GeometryResults", "PairEvaluator", "memory_per_device", "overlap_allowed", "overlap_dominated", "recompute_siblings"]

@@ -46,15 +46,21 @@ class Ranked:
     """Geometries whose layouts were timed (cluster-optimal)."""
     pairs_seen: int
     pruned_geometries: int
+    """Geometries never searched (their loss bound could not beat the threshold) or searched
+    only until their compute bound fell below the tokens the threshold needs (`bounded`)."""
+    bounded_geometries: int = 0
+    """Of the pruned: geometries whose pairs were built, then left at their floor."""
 
 
 def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.ndarray] = None,
                          progress: Optional[Callable[[int], None]] = None, workers: int = 1,
-                         bound: bool = True) -> Ranked:
-    """Exact top-`top` geometries under the deliverable budget (branch and bound over geometries)."""
+                         bound: bool = True, within: Optional[float] = None) -> Ranked:
+    """Exact top-`top` geometries under the deliverable budget (branch and bound over geometries);
+    with `within`, also every geometry whose loss is below the best + `within`."""
     n = len(problem.geoms)
     index = np.arange(n) if subset is None else np.asarray(subset, dtype=np.int64)
-    lb = problem.loss_lower_bound()[index] if (bound and problem.prune) else np.full(len(index), -np.inf)
+    use_bounds = bound and problem.prune
+    lb = problem.loss_lower_bound()[index] if use_bounds else np.full(len(index), -np.inf)
     order = index[np.argsort(lb, kind="stable")]
     lb_sorted = np.sort(lb, kind="stable")
     per_chunk = max(1, problem_mod.CHUNK_PAIRS // max(len(problem.evaluator.grid), 1)) * max(1, workers)
@@ -63,6 +69,7 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
     threshold = math.inf
     i = 0
     pairs = 0
+    bounded = 0
     pool = (ProcessPoolExecutor(max_workers=workers, initializer=init_worker, initargs=(problem.evaluator,))
             if workers > 1 else None)
     try:
@@ -72,8 +79,11 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
             stop = i + per_chunk
             chunk = order[i:stop]
             chunk = chunk[lb_sorted[i:stop] < threshold]
-            res = problem.evaluate(chunk, progress, pool)
+            floor = problem.tokens_floor(threshold, chunk) if use_bounds else None
+            res = problem.evaluate(chunk, progress, pool, floor=floor)
             pairs += len(chunk) * len(problem.evaluator.grid)
+            bounded += int((~res.exact).sum())
+            res = res.take(np.flatnonzero(res.exact))  # the rest cannot reach the threshold
             tokens = problem.tokens_in_budget(res.tokens_per_s)
             loss = lawmod.loss(problem.law, problem.geoms.archs.take(res.index), tokens)
             collected.append(res)
@@ -82,20 +92,26 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
             finite = allloss[np.isfinite(allloss)]
             if len(finite) >= top:
                 threshold = float(np.partition(finite, top - 1)[top - 1])
+                if within is not None:
+                    threshold = max(threshold, float(finite.min()) + within)
             i = stop
     finally:
         if pool is not None:
             pool.shutdown()
     res = GeometryResults.concat(collected) if collected else GeometryResults.empty()
     loss = np.concatenate(losses) if losses else np.zeros(0)
-    if bound and problem.prune and len(res.index):
+    if use_bounds and len(res.index):
         cap = problem.mfu_cap()[res.index]
-        if np.any(res.mfu > cap * (1 + 1e-9)):  # the bound is not valid for this model: search everything
-            return rank_cluster_optimal(problem, top, subset, progress, workers, bound=False)
+        if np.any(res.mfu > cap * (1 + 1e-9)) or not np.all(res.bound_ok):
+            # a bound is not valid for this model: search everything, every layout timed
+            problem.evaluator.bound = None
+            problem._cache.clear()
+            problem._memo.pop("loss_lower_bound", None)
+            return rank_cluster_optimal(problem, top, subset, progress, workers, bound=False, within=within)
     order2 = np.lexsort((res.index, loss))
     return Ranked(index=res.index[order2], loss=loss[order2], tokens=problem.tokens_in_budget(res.tokens_per_s)[order2],
                   results=res.take(order2), evaluated=len(res.index), pairs_seen=pairs,
-                  pruned_geometries=len(index) - len(res.index))
+                  pruned_geometries=len(index) - len(res.index), bounded_geometries=bounded)
 
 
 def rank_compute_optimal(problem: Problem, subset: Optional[np.ndarray] = None) -> Ranked:

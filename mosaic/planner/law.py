@@ -89,4 +89,23 @@ def tokens_term(law: Law, archs: Any, d_ref: float = 1.0e12) -> TokensTerm:
     return TokensTerm(constant=constant, coef=float(coef), exponent=float(exponent))
 
 
-__all__ = ["Law", "TokensTerm", "law_inputs", "load_law", "loss", "tokens_term"]
+def sparsity_exponents(law: Law) -> Optional[dict[str, float]]:
+    """The power of (1 - S) in each sparsity-dependent term of the mosaic4d law at fixed active
+    parameters N_act = (1 - S) N_tot (fixed model FLOPs per token), fixed D and G:
+
+      a / N_tot^alpha                  = a N_act^-alpha (1-S)^alpha           -> alpha
+      c / (1-S)^lambda                 = c (1-S)^-lambda                      -> -lambda
+      j / ((1-S)^delta N_tot^gamma G^eta) = j N_act^-gamma G^-eta (1-S)^(gamma - delta) -> gamma - delta
+
+    A positive power makes its term fall as S -> 1: when all are positive the loss at a fixed
+    model-FLOPs budget falls monotonically with sparsity, so that optimum is the sparsest point
+    the space allows (boundary-seeking). None for a law without these parameters."""
+    names = ("alpha", "lambda", "gamma", "delta")
+    values = [_param(law.params, n) for n in names]
+    if any(v is None for v in values):
+        return None
+    alpha, lam, gamma, delta = values
+    return {"a_term": alpha, "c_term": -lam, "j_term": gamma - delta}
+
+
+__all__ = ["Law", "TokensTerm", "law_inputs", "load_law", "loss", "sparsity_exponents", "tokens_term"]

@@ -1,29 +1,37 @@
 """The planning problem as a Pyomo MINLP, built from the same data and formulas as enumeration.
 
-Data (from `perfmodel.evaluate`, per geometry g and valid layout l): tokens/s,
-memory per device; D_max(g, l) = tokens/s x eta_good x wall time. Layouts
-dominated within their geometry (no more tokens/s at no less memory) can never
-be the unique optimum and are dropped before the model is built.
+Data, per geometry g: its best feasible layout from the layout search every solver reads
+(`Problem.evaluate`: the same cached `perfmodel.evaluate` results enumeration ranks), its
+tokens/s and memory per device, D_max,g = tokens/s x eta_good x wall time. Within a geometry
+the layouts compete for one choice under one memory row, so the fastest layout within usable
+HBM dominates every other: one pair per geometry is the whole choice, exactly.
 
-  variables   x[p] in {0, 1} for each (geometry, layout) pair p, sum_p x[p] = 1
-              integer geometry and layout variables (n_layers, d_model, n_experts,
-              top_k, d_expert, tp, pp, ep, mbs) = sum_p x[p] * value[p]
-              D >= 0 continuous (in units of D_SCALE tokens)
-  compute     C_model = F_g D <= C_deliverable(g, l) = F_g D_max(g, l); x is one-hot,
-              so with F_g of the chosen geometry this is  D <= sum_p x[p] D_max[p]
-  memory      sum_p x[p] mem[p] <= usable HBM
-  objective   loss = sum_p x[p] K_g(p) + b / D^beta   (the fit split by law.tokens_term:
+  variables   x[g] in {0, 1}, sum_g x[g] = 1;  D >= 0 (units of D_SCALE tokens);  t (the loss)
+              integer geometry and layout variables (n_layers, d_model, n_experts, top_k,
+              d_expert, n_shared_experts, n_dense_layers, tp, pp, vpp, ep, mbs) = sum_g x[g] value[g]
+  compute     C_model = F_g D <= C_deliverable(g) = F_g D_max,g;  x one-hot:  D <= sum_g D_max,g x[g]
+  memory      sum_g x[g] mem_g / usable HBM <= 1
+  law         t >= sum_g x[g] K_g + z,  z >= b / D^beta   (the fit split by law.tokens_term:
               K_g = law(N_tot, S, ., G) without its D term, checked against predict)
+  hull        t >= sum_g x[g] (K_g + b / D_max,g^beta)
+  objective   min t
 
-Presolve (`solve_cluster_optimal`): geometries whose loss bound (MFU at most its
-cap, see enumerate) cannot beat an incumbent are dropped, as any MINLP presolve
-would; the agreement tests build the model on the whole reduced space instead.
+The hull row is implied by the others (x[g] = 1 forces D <= D_max,g, and the law falls with D),
+so the problem is unchanged; it is the convex hull of the disjunction "one geometry at its own
+D_max", which makes the relaxation's bound the optimum: SCIP proves optimality at the root
+instead of branching over thousands of binaries with a bound that mixes one geometry's K with
+another's D_max (what timed out before).
 
-The compute-optimal problem is the same model over geometries with
-D <= C_model / F_g and no memory row. Solvers: `scip` (Pyomo writes the .nl
-file, pyscipopt reads and solves it), `bonmin` (AMPL executable on PATH, e.g.
-from idaes-pse's `idaes get-extensions`), `mindtpy` (Pyomo's outer
-approximation; needs a MIP and an NLP solver).
+Presolve (`presolve_geometries`), exact as any MINLP presolve: an incumbent U is the best loss
+of the geometries with the smallest loss bound (`Problem.loss_lower_bound`); geometries whose
+bound is >= U, or whose layout search shows they cannot beat U (`PairEvaluator.run`'s floor),
+cannot be optimal and are left out of the model.
+
+The compute-optimal problem is the same model over the geometries with D <= C_model / F_g and
+no memory row. Solvers: `scip` (Pyomo writes the .nl file, pyscipopt reads and solves it),
+`bonmin` (AMPL executable on PATH, e.g. from idaes-pse's `idaes get-extensions`), `mindtpy`
+(Pyomo's outer approximation; needs a MIP and an NLP solver). `geometry_minlp` is the model
+where the geometry itself is integer variables (spaces too large to enumerate).
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-import perfmodel
 from mosaic.planner import law as lawmod
+from mosaic.planner import problem as problem_mod
 from mosaic.planner.candidates import GeometryResults
 from mosaic.planner.enumerate import Ranked
 from mosaic.planner.problem import Problem
@@ -47,86 +55,14 @@ from perfmodel.errors import Param, SolverError
 
 D_SCALE = 1.0e12
 """Tokens per unit of the D variable (keeps the model well scaled)."""
-GEOMETRY_VARS = ("n_layers", "d_model", "n_experts", "top_k", "d_expert")
-LAYOUT_VARS = ("tp", "pp", "ep", "mbs")
+GEOMETRY_VARS = ("n_layers", "d_model", "n_experts", "top_k", "d_expert", "n_shared_experts", "n_dense_layers")
+LAYOUT_VARS = ("tp", "pp", "vpp", "ep", "mbs")
 GAP = 1e-9
 FEASTOL = 1e-9
-
-
-@dataclass
-class PairTable:
-    """(geometry, layout) pairs as MINLP data, non-dominated within each geometry."""
-
-    geometry: np.ndarray
-    """Index into problem.geoms."""
-    layout: np.ndarray
-    """Index into the layout grid."""
-    gbs: np.ndarray
-    tokens_per_s: np.ndarray
-    memory_bytes: np.ndarray
-    mfu: np.ndarray
-    step_time_s: np.ndarray
-    evaluations: Optional[perfmodel.EvalResult] = None
-    """`perfmodel.evaluate` of each pair (row for row), carried to the plan."""
-
-    def __len__(self) -> int:
-        return len(self.geometry)
-
-    def take(self, idx: np.ndarray) -> PairTable:
-        arrays = {k: np.asarray(getattr(self, k))[idx] for k in _PAIR_ARRAYS}
-        return PairTable(**arrays, evaluations=None if self.evaluations is None else self.evaluations.take(idx))
-
-    @staticmethod
-    def concat(parts: list[PairTable]) -> PairTable:
-        arrays = {k: np.concatenate([getattr(p, k) for p in parts]) for k in _PAIR_ARRAYS}
-        stores = [p.evaluations for p in parts if p.evaluations is not None]
-        return PairTable(**arrays, evaluations=perfmodel.EvalResult.concat(stores) if stores else None)
-
-
-_PAIR_ARRAYS = ("geometry", "layout", "gbs", "tokens_per_s", "memory_bytes", "mfu", "step_time_s")
-
-
-def pair_table(problem: Problem, geometries: Optional[np.ndarray] = None,
-               progress: Optional[Callable[[int], None]] = None, reduce: bool = True) -> PairTable:
-    """Every valid pair that `evaluate` times (memory-infeasible ones included, the MINLP's
-    memory row excludes them), then the (tokens/s, memory) Pareto front per geometry (taken
-    per chunk as well: a chunk holds whole geometries, so the front is the same)."""
-    ev = problem.evaluator
-    index = np.arange(len(problem.geoms)) if geometries is None else np.asarray(geometries, dtype=np.int64)
-    per_chunk = max(1, 65536 // max(len(ev.grid), 1))
-    parts = []
-    for start in range(0, len(index), per_chunk):
-        chunk = index[start:start + per_chunk]
-        archs, lays, g, lay_i = ev.pairs(chunk)
-        valid = np.flatnonzero(perfmodel.validity.valid_mask(archs, lays, ev.devices))
-        if len(valid):
-            res = perfmodel.evaluate(archs.take(valid), lays.take(valid), ev.cluster, ev.devices)
-            usable = (res.reason == perfmodel.REASONS.index("ok")) | (res.reason == perfmodel.REASONS.index("memory"))
-            keep = valid[usable]
-            part = PairTable(geometry=g[keep], layout=lay_i[keep], gbs=np.asarray(lays.gbs)[keep],
-                             tokens_per_s=res.tokens_per_s[usable], memory_bytes=res.memory_per_device_bytes[usable],
-                             mfu=res.mfu[usable], step_time_s=res.step_time_s[usable], evaluations=res.take(usable))
-            parts.append(pareto(part) if reduce else part)
-        if progress is not None:
-            progress(len(chunk) * len(ev.grid))
-    if not parts:
-        return PairTable(*(np.zeros(0, dtype=t) for t in (np.int64, np.int64, np.int64, float, float, float, float)))
-    table = PairTable.concat(parts)
-    return pareto(table) if reduce else table
-
-
-def pareto(table: PairTable) -> PairTable:
-    """Keep, per geometry, pairs that no other pair beats on tokens/s at no more memory."""
-    order = np.lexsort((-table.tokens_per_s, table.memory_bytes, table.geometry))
-    t = table.take(order)
-    keep = np.zeros(len(t), dtype=bool)
-    starts = np.flatnonzero(np.r_[True, t.geometry[1:] != t.geometry[:-1]])
-    ends = np.r_[starts[1:], len(t)]
-    for s, e in zip(starts, ends):
-        tok = t.tokens_per_s[s:e]
-        prev_best = np.r_[-np.inf, np.maximum.accumulate(tok)[:-1]]
-        keep[s:e] = tok > prev_best
-    return t.take(np.flatnonzero(keep))
+TIME_LIMIT_S = 300.0
+INCUMBENT_CHUNKS = 24
+"""Chunks with a feasible geometry, in loss-bound order, that make the presolve's incumbent."""
+SOLVERS = ("scip", "bonmin", "mindtpy")
 
 
 # ---------------------------------------------------------------------------
@@ -134,7 +70,8 @@ def pareto(table: PairTable) -> PairTable:
 
 def _loss_model(name: str, constant: np.ndarray, coef: float, exponent: float, d_max: np.ndarray,
                 values: dict[str, np.ndarray]) -> Any:
-    """One-hot choice x over rows, continuous D <= d_max of the choice, loss = K_choice + coef * D^-exponent."""
+    """One-hot choice x over rows, continuous D <= d_max of the choice, t >= K + coef D^-exponent
+    and the hull row t >= K + coef d_max^-exponent (module doc)."""
     import pyomo.environ as pyo
 
     n = len(constant)
@@ -142,19 +79,27 @@ def _loss_model(name: str, constant: np.ndarray, coef: float, exponent: float, d
     m.P = pyo.RangeSet(0, n - 1)
     m.x = pyo.Var(m.P, domain=pyo.Binary)
     hi = float(np.max(d_max)) / D_SCALE
-    m.D = pyo.Var(bounds=(min(1e-9, hi), hi), initialize=hi)
+    lo = min(1e-9, hi)
+    m.D = pyo.Var(bounds=(lo, hi), initialize=hi)
+    scale = coef * D_SCALE ** (-exponent)
+    at_max = constant + scale * (np.maximum(d_max / D_SCALE, lo)) ** (-exponent)
+    m.t = pyo.Var(bounds=(float(np.min(constant)), float(np.max(at_max))))
     m.one = pyo.Constraint(expr=sum(m.x[p] for p in m.P) == 1)
     m.compute = pyo.Constraint(expr=m.D <= sum(float(d_max[p]) / D_SCALE * m.x[p] for p in m.P))
     _integer_links(m, values)
-    scale = coef * D_SCALE ** (-exponent)
-    m.loss = pyo.Objective(expr=sum(float(constant[p]) * m.x[p] for p in m.P) + scale * m.D ** (-exponent),
-                           sense=pyo.minimize)
+    # the D term apart (z >= b D^-beta: one variable's convex row), so the long rows stay linear
+    m.z = pyo.Var(bounds=(0.0, scale * lo ** (-exponent)))
+    m.tokens_term = pyo.Constraint(expr=m.z >= scale * m.D ** (-exponent))
+    m.law = pyo.Constraint(expr=m.t >= sum(float(constant[p]) * m.x[p] for p in m.P) + m.z)
+    m.hull = pyo.Constraint(expr=m.t >= sum(float(at_max[p]) * m.x[p] for p in m.P))
+    m.loss = pyo.Objective(expr=m.t, sense=pyo.minimize)
+    m.exact_root = True
     return m
 
 
 def build_cluster_model(constant: np.ndarray, coef: float, exponent: float, d_max: np.ndarray, memory: np.ndarray,
                         hbm: float, values: dict[str, np.ndarray]) -> Any:
-    """Cluster-optimal MINLP over pairs p: constant[p] = K of p's geometry, d_max[p] tokens, memory row."""
+    """Cluster-optimal MINLP over rows p: constant[p] = K of p's geometry, d_max[p] tokens, memory row."""
     import pyomo.environ as pyo
 
     m = _loss_model("mosaic_cluster_optimal", constant, coef, exponent, d_max, values)
@@ -185,17 +130,19 @@ def _integer_links(m: Any, values: dict[str, np.ndarray]) -> None:
 @dataclass
 class Solution:
     choice: int
-    """Index of the chosen pair/geometry in the model's data."""
+    """Index of the chosen row in the model's data (-1 for `geometry_minlp`)."""
     objective: float
     tokens: float
     status: str
     gap: Optional[float]
     seconds: float
     solver: str
+    values: Optional[dict[str, float]] = None
+    """Every variable's value by name."""
 
 
 def solver_available(name: str) -> tuple[bool, str]:
-    """(available, reason if not)."""
+    """(available, reason if not; for mindtpy the MIP+NLP pair it would use)."""
     if name == "scip":
         try:
             import pyscipopt  # noqa: F401
@@ -207,7 +154,6 @@ def solver_available(name: str) -> tuple[bool, str]:
             return False, "bonmin is not on PATH (pip install idaes-pse, then `idaes get-extensions`)"
         return True, ""
     if name == "mindtpy":
-
         nlp = [s for s in ("ipopt",) if _quiet_available(s)]
         if _quiet_available("cyipopt") and _pynumero_asl():  # Pyomo's cyipopt path needs the ASL library
             nlp.append("cyipopt")
@@ -217,7 +163,7 @@ def solver_available(name: str) -> tuple[bool, str]:
                       (" and " if not nlp and not mip else "") + ("a MIP solver (highspy, glpk or cbc)" if not mip else "")
             return False, f"mindtpy needs {missing}, none found"
         return True, f"{mip[0]}+{nlp[0]}"
-    return False, f"unknown solver {name!r}"
+    return False, f"unknown solver {name!r}; use one of {', '.join(SOLVERS)}"
 
 
 def _pynumero_asl() -> bool:
@@ -238,23 +184,41 @@ def _quiet_available(name: str) -> bool:
         return False
 
 
-def solve_model(model: Any, solver: str, time_limit_s: float = 300.0) -> Solution:
+def _failure(solver: str, status: str, gap: Optional[float], seconds: float, time_limit_s: float) -> SolverError:
+    """A solver that did not prove an optimum: why, and what to do."""
+    where = f"status {status} after {seconds:.1f} s" + (f", gap {gap:.2g}" if gap is not None and np.isfinite(gap) else "")
+    if status in ("timelimit", "maxTimeLimit", "maxIterations", "nodelimit", "userinterrupt"):
+        todo = f"raise --time-limit (now {time_limit_s:g} s) or use "
+    elif status in ("infeasible", "infeasibleOrUnbounded"):
+        todo = "the model has no feasible choice (check the space and the budget), or use "
+    else:
+        todo = "numerical trouble in the solver; use "
+    return SolverError(Param("solver", solver), f": no proven optimum ({where}); {todo}", Param("solver", "enumerate"))
+
+
+def solve_model(model: Any, solver: str, time_limit_s: float = TIME_LIMIT_S, choice: bool = True) -> Solution:
+    """Solve `model` (a `build_*_model` or `geometry_minlp` model); SolverError unless proven optimal."""
     ok, why = solver_available(solver)
     if not ok:
         raise SolverError(Param("solver", solver), f": {why}; or use ", Param("solver", "enumerate"))
     t0 = time.perf_counter()
     if solver == "scip":
-        status, gap, values, objective = _solve_scip(model, time_limit_s)
+        status, gap, values, objective = solve_nl_scip(model, time_limit_s, exact_root=getattr(model, "exact_root", False))
         _load_values(model, values)
     else:
         status, gap, values, objective = _solve_pyomo(model, solver, why, time_limit_s)
     seconds = time.perf_counter() - t0
-    x = np.asarray([values.get(f"x[{p}]", 0.0) for p in range(len(model.x))])
-    if status not in ("optimal", "gaplimit") or x.size == 0 or x.max() < 0.5:
-        raise SolverError(Param("solver", solver), f": no optimal solution (status {status}); use ",
-                          Param("solver", "enumerate"))
-    return Solution(choice=int(np.argmax(x)), objective=float(objective), tokens=float(values["D"]) * D_SCALE,
-                    status=status, gap=gap, seconds=seconds, solver=solver)
+    if status not in ("optimal", "gaplimit") or not values:
+        raise _failure(solver, status, gap, seconds, time_limit_s)
+    picked = -1
+    if choice:
+        x = np.asarray([values.get(f"x[{p}]", 0.0) for p in range(len(model.x))])
+        if x.size == 0 or x.max() < 0.5:
+            raise _failure(solver, "no choice in the solution", gap, seconds, time_limit_s)
+        picked = int(np.argmax(x))
+    tokens = float(values.get("D", float("nan"))) * D_SCALE
+    return Solution(choice=picked, objective=float(objective), tokens=tokens, status=status, gap=gap, seconds=seconds,
+                    solver=solver, values=values)
 
 
 def _load_values(model: Any, values: dict[str, float]) -> None:
@@ -267,24 +231,36 @@ def _load_values(model: Any, values: dict[str, float]) -> None:
             var.set_value(round(value) if var.is_integer() or var.is_binary() else value, skip_validation=True)
 
 
-def _solve_scip(model: Any, time_limit_s: float) -> tuple[str, Optional[float], dict[str, float], float]:
+def solve_nl_scip(model: Any, time_limit_s: float, gap: float = GAP, feastol: Optional[float] = FEASTOL,
+                  exact_root: bool = False) -> tuple[str, Optional[float], dict[str, float], float]:
+    """(status, gap, values by name, objective) of a Pyomo model written as .nl (symbolic labels)
+    and solved by pyscipopt's SCIP; `exact_root` turns presolve and the primal heuristics off
+    (for a formulation whose root relaxation is its optimum); gap and objective None/nan without
+    a solution. feastol None keeps SCIP's own."""
     import pyscipopt
 
     with tempfile.TemporaryDirectory(prefix="mosaic_minlp_") as tmp:
-        path = Path(tmp) / "plan.nl"
+        path = Path(tmp) / "model.nl"
         model.write(str(path), format="nl", io_options={"symbolic_solver_labels": True})
         scip = pyscipopt.Model()
         scip.hideOutput()
         scip.readProblem(str(path))
-        scip.setParam("limits/gap", GAP)
+        scip.setParam("limits/gap", gap)
         scip.setParam("limits/time", time_limit_s)
-        scip.setParam("numerics/feastol", FEASTOL)
+        if feastol is not None:
+            scip.setParam("numerics/feastol", feastol)
+        if exact_root:
+            # the hull row makes the root relaxation's solution the optimum: presolve's probing and the
+            # primal heuristics over thousands of binaries cost more than the solve (measured, docs/design.md)
+            scip.setPresolve(pyscipopt.SCIP_PARAMSETTING.OFF)
+            scip.setHeuristics(pyscipopt.SCIP_PARAMSETTING.OFF)
         scip.optimize()
         status = scip.getStatus()
-        values = {v.name: scip.getVal(v) for v in scip.getVars()} if scip.getNSols() > 0 else {}
-        gap = float(scip.getGap()) if scip.getNSols() > 0 else None
-        objective = float(scip.getObjVal()) if scip.getNSols() > 0 else float("nan")
-    return status, gap, values, objective
+        solved = scip.getNSols() > 0
+        values = {v.name: scip.getVal(v) for v in scip.getVars()} if solved else {}
+        found_gap = float(scip.getGap()) if solved else None
+        objective = float(scip.getObjVal()) if solved else float("nan")
+    return status, found_gap, values, objective
 
 
 def _solve_pyomo(model: Any, solver: str, detail: str, time_limit_s: float) -> tuple[str, Optional[float], dict[str, float], float]:
@@ -316,101 +292,100 @@ def _solve_pyomo(model: Any, solver: str, detail: str, time_limit_s: float) -> t
 # ---------------------------------------------------------------------------
 # The planner's entry points.
 
-def _values(problem: Problem, geometry: np.ndarray, table: Optional[PairTable]) -> dict[str, np.ndarray]:
+def _values(problem: Problem, geometry: np.ndarray, layout: Optional[np.ndarray]) -> dict[str, np.ndarray]:
     archs = problem.geoms.archs
     out = {name: np.asarray(getattr(archs, name))[geometry] for name in GEOMETRY_VARS}
-    if table is not None:
+    if layout is not None:
         grid = problem.evaluator.grid
         for name in LAYOUT_VARS:
-            out[name] = np.asarray(getattr(grid, name))[table.layout]
+            out[name] = np.asarray(getattr(grid, name))[layout]
     return out
 
 
-def cluster_model(problem: Problem, table: PairTable) -> tuple[Any, np.ndarray]:
-    """(model, D_max per pair) of the cluster-optimal problem on `table`."""
-    term = lawmod.tokens_term(problem.law, problem.geoms.archs.take(table.geometry))
-    d_max = problem.tokens_in_budget(table.tokens_per_s)
-    model = build_cluster_model(term.constant, term.coef, term.exponent, d_max, table.memory_bytes,
-                                problem.cluster.accelerator.usable_hbm_bytes, _values(problem, table.geometry, table))
+def cluster_model(problem: Problem, results: GeometryResults) -> tuple[Any, np.ndarray]:
+    """(model, D_max per row) of the cluster-optimal problem over `results`' feasible geometries
+    (each at its best layout; rows in `results` order)."""
+    term = lawmod.tokens_term(problem.law, problem.geoms.archs.take(results.index))
+    d_max = problem.tokens_in_budget(results.tokens_per_s)
+    model = build_cluster_model(term.constant, term.coef, term.exponent, d_max, results.memory_bytes,
+                                problem.cluster.accelerator.usable_hbm_bytes,
+                                _values(problem, results.index, results.best_layout))
     return model, d_max
 
 
 def compute_model(problem: Problem, geometries: Optional[np.ndarray] = None) -> tuple[Any, np.ndarray]:
+    """(model, geometry index per row) of the compute-optimal problem."""
     index = np.arange(len(problem.geoms)) if geometries is None else np.asarray(geometries, dtype=np.int64)
     term = lawmod.tokens_term(problem.law, problem.geoms.archs.take(index))
     d_max = problem.compute_optimal_tokens()[index]
     return build_compute_model(term.constant, term.coef, term.exponent, d_max, _values(problem, index, None)), index
 
 
+def presolve_geometries(problem: Problem, subset: Optional[np.ndarray] = None,
+                        progress: Optional[Callable[[int], None]] = None) -> tuple[GeometryResults, dict[str, Any]]:
+    """The geometries that can be optimal, with their layout search (module doc): an incumbent from
+    the first INCUMBENT_CHUNKS chunks in loss-bound order that hold a feasible geometry (a primal
+    heuristic), then every geometry whose bound is below it, searched with the incumbent's floor."""
+    index = np.arange(len(problem.geoms)) if subset is None else np.asarray(subset, dtype=np.int64)
+    lb = problem.loss_lower_bound()[index]
+    order = index[np.argsort(lb, kind="stable")]
+    per_chunk = max(1, problem_mod.CHUNK_PAIRS // max(len(problem.evaluator.grid), 1))
+    incumbent = np.inf
+    start, found = 0, 0
+    while start < len(order) and found < INCUMBENT_CHUNKS and lb[np.argsort(lb, kind="stable")][start] < incumbent:
+        chunk = order[start:start + per_chunk]
+        res = problem.evaluate(chunk, progress, floor=problem.tokens_floor(incumbent, chunk))
+        res = res.take(np.flatnonzero(res.exact))
+        loss = lawmod.loss(problem.law, problem.geoms.archs.take(res.index), problem.tokens_in_budget(res.tokens_per_s))
+        if np.any(np.isfinite(loss)):
+            incumbent = min(incumbent, float(np.min(loss[np.isfinite(loss)])))
+            found += 1
+        start += per_chunk
+    keep = index[lb < incumbent] if np.isfinite(incumbent) else index
+    res = problem.evaluate(keep, progress, floor=problem.tokens_floor(incumbent * (1 + 1e-12), keep))
+    feasible = res.exact & (res.best_layout >= 0)
+    report = {"presolve_incumbent_loss": incumbent if np.isfinite(incumbent) else None,
+              "presolve_bound_dropped": int(len(index) - len(keep)),
+              "presolve_search_dropped": int((~res.exact).sum()),
+              "presolve_infeasible": int((res.exact & (res.best_layout < 0)).sum()),
+              "geometries_in_model": int(feasible.sum())}
+    return res.take(np.flatnonzero(feasible)), report
+
+
 def solve_cluster_optimal(problem: Problem, solver: str, top: int = 10,
                           progress: Optional[Callable[[int], None]] = None,
-                          geometries: Optional[np.ndarray] = None, presolve: bool = True) -> tuple[Ranked, dict[str, Any]]:
-    """MINLP optimum first, then the other geometries of the same data ranked by loss."""
+                          time_limit_s: float = TIME_LIMIT_S) -> tuple[Ranked, dict[str, Any]]:
+    """MINLP optimum first, then the other geometries of the model's data ranked by loss."""
     ok, why = solver_available(solver)
     if not ok:
         raise SolverError(Param("solver", solver), f": {why}; or use ", Param("solver", "enumerate"))
-    report: dict[str, Any] = {}
-    if geometries is None and presolve:
-        geometries, report = presolve_geometries(problem)
-    table = pair_table(problem, geometries, progress)
-    hbm = problem.cluster.accelerator.usable_hbm_bytes
-    fits = table.memory_bytes <= hbm
-    report.update({"candidates": int(len(table)), "pairs_in_model": int(len(table))})
-    if not np.any(fits):  # every pair above HBM: loss inf, memories kept for the error message
-        ranked = _ranked_from_table(problem, table, None)
-        ranked.loss[:] = np.inf
-        return ranked, report
-    model, d_max = cluster_model(problem, table)
-    sol = solve_model(model, solver)
-    report.update({"status": sol.status, "gap": sol.gap, "solver_seconds": sol.seconds, "objective": sol.objective})
-    return _ranked_from_table(problem, table.take(np.flatnonzero(fits)), table.take(np.asarray([sol.choice]))), report
-
-
-def presolve_geometries(problem: Problem, incumbent_geometries: int = 64) -> tuple[np.ndarray, dict[str, Any]]:
-    """Drop geometries that cannot beat an incumbent (exact, as in any MINLP presolve).
-
-    The incumbent U is the best loss among the `incumbent_geometries` geometries with the
-    smallest loss bound (enumerate.Problem.loss_lower_bound: MFU at most its cap); a geometry
-    whose bound is >= U cannot be optimal. Without a feasible incumbent nothing is dropped."""
-    lb = problem.loss_lower_bound()
-    order = np.argsort(lb, kind="stable")
-    first = order[:incumbent_geometries]
-    res = problem.evaluate(first)
-    loss = lawmod.loss(problem.law, problem.geoms.archs.take(res.index), problem.tokens_in_budget(res.tokens_per_s))
-    finite = loss[np.isfinite(loss)]
-    if len(finite) == 0:
-        return np.arange(len(problem.geoms)), {"presolve": "no incumbent; all geometries kept"}
-    incumbent = float(finite.min())
-    keep = np.flatnonzero(lb < incumbent)
-    keep = np.union1d(keep, first[np.isfinite(loss)])
-    return keep, {"presolve_kept_geometries": int(len(keep)), "presolve_incumbent_loss": incumbent}
-
-
-def _ranked_from_table(problem: Problem, table: PairTable, first: Optional[PairTable]) -> Ranked:
-    """Best feasible pair per geometry ranked by loss; the solver's choice (if any) first."""
-    if len(table) == 0:
+    t0 = time.perf_counter()
+    data, report = presolve_geometries(problem, progress=progress)
+    report["data_seconds"] = time.perf_counter() - t0
+    if len(data.index) == 0:  # nothing fits: the enumeration's memory minima name the relaxation
         empty = GeometryResults.empty()
-        return Ranked(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0), empty, 0, 0, len(problem.geoms))
-    order = np.lexsort((-table.tokens_per_s, table.geometry))
-    t = table.take(order)
-    head = np.flatnonzero(np.r_[True, t.geometry[1:] != t.geometry[:-1]])
-    best = t.take(head)
-    if first is not None:
-        best = PairTable.concat([first, best.take(np.flatnonzero(best.geometry != first.geometry[0]))])
-    tokens = problem.tokens_in_budget(best.tokens_per_s)
-    loss = lawmod.loss(problem.law, problem.geoms.archs.take(best.geometry), tokens)
-    rank = np.lexsort((best.geometry, loss))
-    if first is not None:
-        rank = np.r_[0, rank[rank != 0]]
-    res = GeometryResults(index=best.geometry[rank], best_layout=best.layout[rank], best_gbs=best.gbs[rank],
-                          tokens_per_s=best.tokens_per_s[rank], mfu=best.mfu[rank], step_time_s=best.step_time_s[rank],
-                          memory_bytes=best.memory_bytes[rank], min_memory_bytes=best.memory_bytes[rank],
-                          min_memory_layout=best.layout[rank], n_valid=np.zeros(len(rank)), n_memory_ok=np.zeros(len(rank)),
-                          n_timed=np.zeros(len(rank)),
-                          evaluation_row=np.arange(len(rank), dtype=np.int64) if best.evaluations is not None else np.full(len(rank), -1),
-                          evaluations=best.evaluations.take(rank) if best.evaluations is not None else None)
-    return Ranked(best.geometry[rank], loss[rank], tokens[rank], res, len(np.unique(best.geometry)), len(table), 0)
+        return Ranked(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0), empty, 0, 0, len(problem.geoms)), report
+    t1 = time.perf_counter()
+    model, _ = cluster_model(problem, data)
+    report["build_seconds"] = time.perf_counter() - t1
+    sol = solve_model(model, solver, time_limit_s)
+    report.update({"status": sol.status, "gap": sol.gap, "solver_seconds": sol.seconds, "objective": sol.objective,
+                   "candidates": int(len(data.index))})
+    tokens = problem.tokens_in_budget(data.tokens_per_s)
+    loss = lawmod.loss(problem.law, problem.geoms.archs.take(data.index), tokens)
+    rank = np.lexsort((data.index, loss))
+    rank = np.r_[sol.choice, rank[rank != sol.choice]][: max(top, 1)]
+    return Ranked(index=data.index[rank], loss=loss[rank], tokens=tokens[rank], results=data.take(rank),
+                  evaluated=len(data.index), pairs_seen=0, pruned_geometries=len(problem.geoms) - len(data.index)), report
 
 
-__all__ = ["D_SCALE", "PairTable", "Solution", "build_cluster_model", "build_compute_model", "cluster_model",
-           "compute_model", "pair_table", "pareto", "solve_cluster_optimal", "solve_model", "solver_available"]
+def solve_compute_optimal(problem: Problem, solver: str, time_limit_s: float = TIME_LIMIT_S) -> tuple[int, Solution]:
+    """(geometry index, solution) of the compute-optimal MINLP over every geometry."""
+    model, index = compute_model(problem)
+    sol = solve_model(model, solver, time_limit_s)
+    return int(index[sol.choice]), sol
+
+
+__all__ = ["D_SCALE", "SOLVERS", "Solution", "build_cluster_model", "build_compute_model", "cluster_model",
+           "compute_model", "presolve_geometries", "solve_cluster_optimal", "solve_compute_optimal", "solve_model",
+           "solver_available"]

@@ -37,6 +37,7 @@ from perfmodel.specs.layout import LAYOUT_FIELDS, ParallelLayout
 from perfmodel.specs.strict import plain
 
 SOLVERS = ("enumerate", "scip", "bonmin", "mindtpy")
+PICKS = ("robust", "nominal")
 MEMORY_TIGHT = 0.05
 """Headroom below which the plan's own memory is reported as binding too."""
 
@@ -81,6 +82,8 @@ class PlanResult:
     search: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
     """Sensitivity and bootstrap results when asked for."""
+    decision: dict[str, Any] = field(default_factory=dict)
+    """`uncertainty.decide`'s statement: indistinguishable plans, P(best), the rule and its pick."""
 
     def to_plan(self) -> Plan:
         """The plan file's content: the cluster-optimal choice, its cluster, fit and budget, and
@@ -95,6 +98,7 @@ class PlanResult:
             "binding": self.binding,
             "alternatives": [a.as_dict() for a in self.alternatives],
             "search": self.search,
+            "decision": self.decision,
             **({"analysis": self.extra} if self.extra else {}),
         }
         return Plan(model=chosen.arch, layout=chosen.layout, budget=PlanBudget(**p.budget.as_dict()),
@@ -234,8 +238,39 @@ def infeasible_error(problem: Problem, ranked: Ranked) -> InfeasibleError:
         "(geometry.active_params / d_model), or more devices (", Param("devices"), ")")
 
 
+def search_counts(problem: Problem, workers: int = 1) -> dict[str, Any]:
+    """What the searches of this problem considered, pruned and evaluated: candidates = geometry x
+    layout pairs of the space; pruned by overlap dominance (layouts dropped from the grid), by the
+    loss bound (geometries whose pairs were never built), after building (validity, memory,
+    recompute dominance, the compute bound); timed by `perfmodel.evaluate`."""
+    ev = problem.evaluator
+    grid = len(ev.grid)
+    built = ev.counts["built"]
+    timed = ev.counts["timed"] if workers <= 1 else None  # worker processes count their own
+    searched = {g for g in problem._cache}
+    return {"evaluated_geometries": len(searched), "pruned_geometries": len(problem.geoms) - len(searched),
+            "candidates": built, "candidates_in_space": len(problem.geoms) * ev.space_layouts,
+            "pruned_overlap_dominance": len(problem.geoms) * (ev.space_layouts - grid),
+            "pruned_loss_bound": len(problem.geoms) * grid - built,
+            "timed": timed, "pruned_after_building": None if timed is None else built - timed}
+
+
+def _put_first(ranked: Ranked, g: int) -> Ranked:
+    """`ranked` with geometry `g` first (the MINLP's compute-optimal choice; ties keep its pick)."""
+    pos = int(np.flatnonzero(ranked.index == g)[0])
+    order = np.r_[pos, np.delete(np.arange(len(ranked.index)), pos)]
+    return Ranked(ranked.index[order], ranked.loss[order], ranked.tokens[order], None, ranked.evaluated,
+                  ranked.pairs_seen, ranked.pruned_geometries)
+
+
 def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: Optional[Callable[[int], None]] = None,
-          workers: int = 1) -> PlanResult:
+          workers: int = 1, time_limit_s: Optional[float] = None, decide: bool = True,
+          pick: str = "robust") -> PlanResult:
+    """Both budgets' answers. `decide`: the decision under uncertainty (`uncertainty.decide`) picks
+    the plan among those the evidence cannot tell apart (`pick` robust) or keeps the nominal best
+    (`pick` nominal); the plan's alternatives are the next candidates by nominal loss."""
+    if pick not in PICKS:
+        raise InputError(Param("pick", pick), f" is unknown; use one of {', '.join(PICKS)}")
     if solver not in SOLVERS:
         raise InputError(Param("solver", solver), f" is unknown; use one of {', '.join(SOLVERS)}")
     if len(problem.geoms) == 0:
@@ -244,30 +279,60 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
     t0 = time.perf_counter()
     co = rank_compute_optimal(problem)
     search: dict[str, Any] = {"solver": solver, "geometries": len(problem.geoms),
-                              "layouts_per_geometry": len(problem.evaluator.grid)}
+                              "layouts_per_geometry": len(problem.evaluator.grid),
+                              "space_layouts": problem.evaluator.space_layouts}
     if solver == "enumerate":
         ranked = rank_cluster_optimal(problem, top=top + 1, progress=progress, workers=workers)
-        search.update({"evaluated_geometries": ranked.evaluated, "pruned_geometries": ranked.pruned_geometries,
-                       "candidates": ranked.pairs_seen})
     else:
-        from mosaic.planner.minlp import solve_cluster_optimal
+        from mosaic.planner import minlp
 
-        ranked, report = solve_cluster_optimal(problem, solver, top=top + 1, progress=progress)
+        limit = minlp.TIME_LIMIT_S if time_limit_s is None else float(time_limit_s)
+        ranked, report = minlp.solve_cluster_optimal(problem, solver, top=top + 1, progress=progress,
+                                                     time_limit_s=limit)
         search.update(report)
+        g, csol = minlp.solve_compute_optimal(problem, solver, limit)
+        search["compute_optimal"] = {"status": csol.status, "gap": csol.gap, "solver_seconds": csol.seconds,
+                                     "objective": csol.objective}
+        co = _put_first(co, g)
     feasible = np.isfinite(ranked.loss)
     if not np.any(feasible):
         if solver != "enumerate":  # the enumeration's per-geometry memory minima name the relaxation
             ranked = rank_cluster_optimal(problem, top=1)
         raise infeasible_error(problem, ranked)
+    decision: dict[str, Any] = {"available": False, "note": "not asked for (decide=False)"}
+    pick_rank = 0
+    if decide:
+        from mosaic.planner.uncertainty import decide as decide_under_uncertainty
+
+        base = ranked if solver == "enumerate" else rank_cluster_optimal(problem, top=top + 1, workers=workers)
+        cands, decision = decide_under_uncertainty(problem, base, top=top + 1, workers=workers)
+        if decision.get("available"):
+            if solver != "enumerate":
+                decision["minlp_agrees"] = bool(int(cands.index[0]) == int(ranked.index[0]))
+            ranked = cands
+            pick_rank = int(decision["chosen_rank"]) if pick == "robust" else 0
+            decision["pick"] = pick
+            decision["chosen_rank"] = pick_rank
+            decision["p_chosen_is_best"] = decision["per_candidate"][pick_rank]["p_best"]
+    feasible = np.isfinite(ranked.loss)
     n_ok = int(feasible.sum())
-    chosen = _choice_from_ranked(problem, ranked, 0)
-    alternatives = [_choice_from_ranked(problem, ranked, i) for i in range(1, min(top + 1, n_ok))]
+    shown = [pick_rank] + [i for i in range(min(top + 1, n_ok)) if i != pick_rank][:top]
+    choices = [_choice_from_ranked(problem, ranked, i) for i in shown]
+    if decision.get("available"):
+        for i, c in zip(shown, choices):
+            row = decision["per_candidate"][i] if i < len(decision["per_candidate"]) else None
+            c.predicted["decision"] = ({k: row[k] for k in ("rank", "p_best", "p_beats_best", "loss_q90",
+                                                              "loss_interval_90", "indistinguishable")}
+                                       if row else {"rank": i, "indistinguishable": False})
+    chosen, alternatives = choices[0], choices[1:]
     co_choice = compute_optimal_choice(problem, co)
+    if solver == "enumerate":
+        search.update(search_counts(problem, workers))
     search["seconds"] = time.perf_counter() - t0
     if search.get("candidates"):
         search["candidates_per_s"] = search["candidates"] / max(search["seconds"], 1e-9)
     binding = binding_constraint(problem, chosen, co_choice, ranked)
-    return PlanResult(problem, chosen, co_choice, alternatives, binding, search)
+    return PlanResult(problem, chosen, co_choice, alternatives, binding, search, decision=decision)
 
 
 __all__ = ["SOLVERS", "Choice", "PlanResult", "layout_dict", "model_dict", "predicted_from", "solve"]

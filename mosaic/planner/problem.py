@@ -24,9 +24,19 @@ import numpy as np
 from mosaic.planner import law as lawmod
 from mosaic.planner.budget import Budget, compute_optimal_flops, goodput, make_budget
 from mosaic.planner.candidates import GeometryResults, PairEvaluator
-from mosaic.planner.space import GeometrySet, ResolvedSpace, SearchSpace, geometries, layout_grid, load_space, resolve_space
-from perfmodel.errors import InputError
-from perfmodel.specs.architecture import attention_flops_per_token, model_flops_per_token
+from mosaic.planner.space import (
+    GeometrySet,
+    ResolvedSpace,
+    SearchSpace,
+    geometries,
+    layout_grid,
+    load_space,
+    resolve_space,
+    scale_up_devices,
+    usable_tp,
+)
+from perfmodel.errors import InputError, SolverError
+from perfmodel.specs.architecture import model_flops_per_token
 from perfmodel.specs.cluster import ClusterSpec
 
 CHUNK_PAIRS = 65536
@@ -56,6 +66,8 @@ class Problem:
     _cache: dict[int, tuple[GeometryResults, int]] = field(default_factory=dict, repr=False, compare=False)
     """Geometry index -> (the search chunk's results, its position there); sweeps and both
     budgets reuse them."""
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """Figures computed once on demand (the law split of every geometry)."""
 
     # -- figures shared by every solver -------------------------------------------------
     def tokens_in_budget(self, tokens_per_s: Any) -> np.ndarray:
@@ -63,12 +75,13 @@ class Problem:
         return np.asarray(tokens_per_s, dtype=float) * self.eta * self.budget.wall_time_s
 
     def mfu_cap(self) -> np.ndarray:
-        """MFU_g <= min(1, eff_max x F_g / (F_g - F_attn,g)) (see enumerate)."""
+        """MFU_g <= min(1, the largest e_max of any GEMM or attention kernel): MFU counts the FLOPs
+        the kernels execute (causal attention halved), each at most its kernel's e_max of a peak
+        no higher than the GEMMs' (see enumerate)."""
         acc = self.cluster.accelerator
-        eff = max(max(acc.compute_curve(p).max_value for p in self.space.layout.precision), 1e-12)
-        fpt = self.flops_per_token
-        attn = np.asarray(attention_flops_per_token(self.geoms.archs), dtype=float)
-        return np.minimum(1.0, eff * fpt / np.maximum(fpt - attn, 1e-30))
+        precisions = self.space.layout.precision
+        eff = max(acc.max_gemm_efficiency(precisions), acc.max_attention_efficiency(precisions), 1e-12)
+        return np.full(len(self.flops_per_token), min(1.0, eff))
 
     def max_peak(self) -> float:
         """Highest dense peak FLOP/s over the space's precisions the part has."""
@@ -82,35 +95,73 @@ class Problem:
         return max(peaks) if peaks else 0.0
 
     def loss_lower_bound(self) -> np.ndarray:
-        """LB_g = law(..., D_ub,g), D_ub,g = devices x peak x MFU cap x eta_good x wall time / F_g."""
-        d_ub = self.budget.devices * self.max_peak() * self.mfu_cap() * self.eta * self.budget.wall_time_s / self.flops_per_token
-        return lawmod.loss(self.law, self.geoms.archs, d_ub)
+        """LB_g = law(..., D_ub,g) with D_ub,g the smaller of two upper bounds of the tokens in budget:
+        devices x peak x MFU cap x eta_good x wall time / F_g, and (with pruning) the compute bound
+        over every layout (`bounds.ComputeBound.geometry_tokens_per_s`) x eta_good x wall time."""
+        if "loss_lower_bound" not in self._memo:
+            d_ub = (self.budget.devices * self.max_peak() * self.mfu_cap() * self.eta * self.budget.wall_time_s
+                    / self.flops_per_token)
+            bound = self.evaluator.bound
+            if self.prune and bound is not None and len(self.geoms):
+                d_ub = np.minimum(d_ub, self.tokens_in_budget(bound.geometry_tokens_per_s(np.arange(len(self.geoms)))))
+            self._memo["loss_lower_bound"] = lawmod.loss(self.law, self.geoms.archs, d_ub)
+        return self._memo["loss_lower_bound"]
 
     def compute_optimal_tokens(self) -> np.ndarray:
         """D_g = C_model / F_g."""
         return self.c_model / self.flops_per_token
 
+    def tokens_floor(self, threshold: float, index: np.ndarray) -> np.ndarray:
+        """tokens/s each geometry must exceed to reach a loss below `threshold`: the law split
+        L = K_g + b / D^beta (`law.tokens_term`) inverted, D_g = (b / (threshold - K_g))^(1/beta),
+        over eta_good x wall time (inf where K_g >= threshold; 0 for an infinite threshold or a
+        law without that split)."""
+        index = np.asarray(index, dtype=np.int64)
+        if not np.isfinite(threshold):
+            return np.zeros(len(index))
+        if "term" not in self._memo:
+            try:
+                self._memo["term"] = lawmod.tokens_term(self.law, self.geoms.archs)
+            except SolverError:
+                self._memo["term"] = None
+        term = self._memo["term"]
+        if term is None:
+            return np.zeros(len(index))
+        room = threshold - term.constant[index]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tokens = np.where(room > 0, (term.coef / np.where(room > 0, room, 1.0)) ** (1.0 / term.exponent), np.inf)
+        # a hair below, so that rounding never drops a geometry the threshold admits
+        return tokens * (1.0 - 1e-9) / (self.eta * self.budget.wall_time_s)
+
     # -- the layout search, cached per geometry -----------------------------------------
     def evaluate(self, index: np.ndarray, progress: Optional[Callable[[int], None]] = None,
-                 pool: Optional[ProcessPoolExecutor] = None) -> GeometryResults:
-        """Best feasible layout of each geometry in `index` (PairEvaluator), searched once per geometry."""
+                 pool: Optional[ProcessPoolExecutor] = None, floor: Optional[np.ndarray] = None) -> GeometryResults:
+        """Best feasible layout of each geometry in `index` (PairEvaluator), searched once per geometry.
+        `floor`: tokens/s per geometry of `index` below which it does not matter (`PairEvaluator.run`);
+        geometries left at their floor (`exact` False) are returned but not cached."""
         index = np.asarray(index, dtype=np.int64)
-        missing = np.asarray([i for i in index if int(i) not in self._cache], dtype=np.int64)
+        floor_of = {} if floor is None else {int(g): float(f) for g, f in zip(index, np.asarray(floor, dtype=float))}
+        missing = np.asarray([i for i in dict.fromkeys(index.tolist()) if int(i) not in self._cache], dtype=np.int64)
+        fresh: dict[int, tuple[GeometryResults, int]] = {}
         if len(missing):
             per_chunk = max(1, CHUNK_PAIRS // max(len(self.evaluator.grid), 1))
             chunks = [missing[i:i + per_chunk] for i in range(0, len(missing), per_chunk)]
+            floors = [np.asarray([floor_of.get(int(g), 0.0) for g in c]) for c in chunks]
             if pool is not None and len(chunks) > 1:
-                parts = list(pool.map(_run_chunk, chunks))
+                parts = list(pool.map(_run_chunk, chunks, floors))
                 if progress is not None:
                     progress(len(missing) * len(self.evaluator.grid))
             else:
-                parts = [self.evaluator.run(c, progress) for c in chunks]
+                parts = [self.evaluator.run(c, progress, f) for c, f in zip(chunks, floors)]
             for part in parts:
                 for j, g in enumerate(part.index):
-                    self._cache[int(g)] = (part, j)
+                    if bool(part.exact[j]):
+                        self._cache[int(g)] = (part, j)
+                    else:
+                        fresh[int(g)] = (part, j)
         if not len(index):
             return GeometryResults.empty()
-        entries = [self._cache[int(i)] for i in index]
+        entries = [self._cache.get(int(i)) or fresh[int(i)] for i in index]
         pieces = []
         for _, run in itertools.groupby(entries, key=lambda entry: id(entry[0])):  # runs from one chunk
             run = list(run)
@@ -126,8 +177,8 @@ def init_worker(evaluator: PairEvaluator) -> None:
     _WORKER["evaluator"] = evaluator
 
 
-def _run_chunk(chunk: np.ndarray) -> GeometryResults:
-    return _WORKER["evaluator"].run(chunk)
+def _run_chunk(chunk: np.ndarray, floor: np.ndarray) -> GeometryResults:
+    return _WORKER["evaluator"].run(chunk, None, floor)
 
 
 def make_problem(cluster: ClusterSpec, budget: Budget, space: SearchSpace, law: lawmod.Law, prune: bool = True,
@@ -136,8 +187,9 @@ def make_problem(cluster: ClusterSpec, budget: Budget, space: SearchSpace, law: 
     co = space.compute_optimal
     eta = goodput(cluster, budget.devices)
     c_model = compute_optimal_flops(cluster, budget, co.nominal_mfu, co.precision)
-    resolved = resolve_space(space, cluster.node_devices, c_model)
+    resolved = resolve_space(space, min(scale_up_devices(cluster), budget.devices), c_model)
     geoms = geometries(resolved)
+    resolved = usable_tp(resolved, geoms)
     grid = layout_grid(resolved, budget.devices)
     evaluator = PairEvaluator(geoms.archs, grid, cluster, budget.devices, space.layout.gbs_tokens, prune=prune)
     return Problem(cluster=cluster, budget=budget, space=space, law=law, resolved=resolved, geoms=geoms,

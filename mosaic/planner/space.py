@@ -2,8 +2,10 @@
 
 `SearchSpace` is loaded strictly (unknown keys are errors). `auto` entries are
 resolved by `resolve_space`:
-  layout.tp           powers of two up to min(node size, 8): TP stays inside a node
-                      and published recipes (Megatron-LM, MindSpeed) stop at 8
+  layout.tp           powers of two up to the scale-up domain (`scale_up_devices`: the
+                      devices one scale-up fabric joins at the node's bandwidth: 8 on an
+                      HGX node, 72 on NVL72, 768 dies on CloudMatrix384); the validity
+                      rules then keep what the geometry allows (tp | heads and KV heads)
   layout.sequence_parallel   on exactly when tp > 1
   geometry.active_params     N_act with D/N_act in `tokens_per_param` under the
                              compute-optimal budget C (C = 6 N D -> N = sqrt(C / (6 r)))
@@ -16,7 +18,9 @@ depends on seq_len).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import types
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -25,13 +29,18 @@ from typing import Optional, Union
 import numpy as np
 
 from perfmodel import layouts as perfmodel_layouts
+from perfmodel import validity as perfmodel_validity
 from perfmodel.errors import InputError
-from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
-from perfmodel.specs.layout import DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
+from perfmodel.specs.architecture import CORE_ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
+from perfmodel.specs.cluster import ClusterSpec
+from perfmodel.specs.layout import DISPATCHERS, DP_FLAVORS, OVERLAP_FIELDS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
 from perfmodel.specs.strict import check, load_spec, spec_from_dict
 
+PIPELINE_SPLITS = ("default", "balanced")
+
 IntList = tuple[int, ...]
-MAX_AUTO_TP = 8
+TP_RULES = ("tp_divides_heads", "tp_divides_ffn")
+"""The validity rules that read only tp and the geometry (`usable_tp`; tested)."""
 
 
 def _positive_list(values: tuple, key: str) -> None:
@@ -108,8 +117,21 @@ class LayoutSpace:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: Union[tuple[bool, ...], str] = "auto"
     precision: tuple[str, ...] = ("bf16",)
+    overlap_grad_reduce: tuple[bool, ...] = (True,)
+    overlap_param_gather: tuple[bool, ...] = (True,)
+    tp_comm_overlap: tuple[bool, ...] = (False,)
+    ep_comm_overlap: tuple[bool, ...] = (False,)
+    """The frameworks' overlap switches to search (`ParallelLayout`): list [false, true] to let
+    the planner choose; each export sets the chosen ones' flags."""
     gbs_tokens: float = 8.0e6
     """Global batch: the smallest multiple of mbs*dp holding this many tokens (`gbs_holding_tokens`)."""
+    pipeline_split: tuple[str, ...] = ("default",)
+    """Pipeline splits to try with pp > 1 (`perfmodel.specs.stages`): default = even where pp*vpp
+    divides the layers, else balanced; balanced = the embedding and the loss counted as a layer
+    each, always. Listing both lets the search pick the split that balances the stages."""
+    dispatcher: tuple[str, ...] = ("alltoall",)
+    """MoE token dispatchers to try with ep > 1 (alltoall, allgather, deepep, hybridep; the fused
+    ones only where the cluster has measured figures)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tp, str):
@@ -126,7 +148,16 @@ class LayoutSpace:
         if isinstance(self.sequence_parallel, str):
             check(self.sequence_parallel == "auto", "sequence_parallel", f"{self.sequence_parallel!r} is not 'auto'",
                   "write auto or a list of true/false")
+        for key in OVERLAP_FIELDS:
+            values = getattr(self, key)
+            check(len(values) > 0 and all(isinstance(v, bool) for v in values), key,
+                  f"must be a non-empty list of true/false, got {list(values)}", "write e.g. [false, true]")
         check(self.gbs_tokens > 0, "gbs_tokens", "must be > 0", "e.g. 8.0e6")
+        for key, allowed in (("pipeline_split", PIPELINE_SPLITS), ("dispatcher", DISPATCHERS)):
+            values = getattr(self, key)
+            check(len(values) > 0, key, "is empty", f"use some of {', '.join(allowed)}")
+            bad = [v for v in values if v not in allowed]
+            check(not bad, key, f"unknown value(s) {bad}", f"use some of {', '.join(allowed)}")
 
 
 @dataclass(frozen=True)
@@ -182,9 +213,22 @@ class ResolvedSpace:
     active_params_range: tuple[float, float]
 
 
-def resolve_space(space: SearchSpace, node_devices: int, compute_optimal_flops: float) -> ResolvedSpace:
+def scale_up_devices(cluster: ClusterSpec) -> int:
+    """Devices of the scale-up domain: the outermost fabric level whose per-device bandwidth is at
+    least the innermost level's (NVLink / UB / Infinity Fabric; a scale-out NIC is slower)."""
+    inner = cluster.levels[0]
+    out = inner.devices
+    for level in cluster.levels[1:]:
+        if level.bandwidth_bytes_per_s >= inner.bandwidth_bytes_per_s:
+            out = level.devices
+    return int(out)
+
+
+def resolve_space(space: SearchSpace, tp_domain_devices: int, compute_optimal_flops: float) -> ResolvedSpace:
+    """`auto` entries resolved: tp up to `tp_domain_devices` (`scale_up_devices` of the cluster, or
+    fewer for a smaller job), the active-parameter band from the compute-optimal budget."""
     lay = space.layout
-    tp = tuple(perfmodel_layouts.powers_of_two(min(node_devices, MAX_AUTO_TP))) if isinstance(lay.tp, str) else tuple(lay.tp)
+    tp = (tuple(perfmodel_layouts.powers_of_two(tp_domain_devices)) if isinstance(lay.tp, str) else tuple(lay.tp))
     sp = None if isinstance(lay.sequence_parallel, str) else tuple(lay.sequence_parallel)
     geo = space.geometry
     if isinstance(geo.active_params, str):
@@ -255,13 +299,13 @@ def geometries(resolved: ResolvedSpace) -> GeometrySet:
         "gated_ffn": np.full(h.shape, bool(geo.gated_ffn)), "tie_embeddings": np.full(h.shape, bool(geo.tie_embeddings)),
     }
     cols = {k: (v.astype(np.int64) if k not in ("ffn_ratio", "gated_ffn", "tie_embeddings") else v) for k, v in cols.items()}
-    archs = ArchBatch(**{name: cols[name] for name in ARCH_FIELDS})
+    archs = ArchBatch(**{name: cols[name] for name in CORE_ARCH_FIELDS})  # no MLA / MTP in the space
     n_act = active_params(archs)
     lo, hi = resolved.active_params_range
     ok &= (n_act >= lo) & (n_act <= hi)
     # Dense rows were collapsed: drop exact duplicates.
     keep = np.flatnonzero(ok)
-    stacked = np.stack([np.asarray(cols[name], dtype=float)[keep] for name in ARCH_FIELDS], axis=1)
+    stacked = np.stack([np.asarray(cols[name], dtype=float)[keep] for name in CORE_ARCH_FIELDS], axis=1)
     _, first = np.unique(stacked, axis=0, return_index=True)
     keep = keep[np.sort(first)]
     return GeometrySet(archs.take(keep), gran[keep])
@@ -277,6 +321,22 @@ def geometry_label(arch: MoEArchitecture) -> str:
     return text + (f" Es{arch.n_shared_experts}" if arch.n_shared_experts else "")
 
 
+def usable_tp(resolved: ResolvedSpace, geoms: GeometrySet) -> ResolvedSpace:
+    """The resolved space without tp values that no geometry of the space accepts (the validity
+    rules that read tp and the geometry only: heads, KV heads, dense and shared FFN widths), so
+    that a large scale-up domain does not fill the grid with rows valid for nothing."""
+    rules = [rule for name, rule, _ in perfmodel_validity.RULES if name in TP_RULES]
+    keep = []
+    for t in resolved.tp:
+        lay = types.SimpleNamespace(tp=t)
+        ok = np.ones(len(geoms), dtype=bool)
+        for rule in rules:
+            ok &= np.asarray(rule(geoms.archs, lay), dtype=bool)
+        if np.any(ok) or not len(geoms):
+            keep.append(t)
+    return dataclasses.replace(resolved, tp=tuple(keep) or resolved.tp[:1])
+
+
 # ---------------------------------------------------------------------------
 # Layout grid.
 
@@ -285,15 +345,48 @@ def layout_grid(resolved: ResolvedSpace, devices: int) -> LayoutBatch:
     lay = resolved.space.layout
     grid = perfmodel_layouts.layout_grid(
         devices, tp=resolved.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, etp=lay.etp, cp=lay.cp, dp_flavor=lay.dp_flavor,
-        mbs=lay.mbs, recompute=lay.recompute, precision=lay.precision, sequence_parallel=resolved.sequence_parallel)
+        mbs=lay.mbs, recompute=lay.recompute, precision=lay.precision, sequence_parallel=resolved.sequence_parallel,
+        overlaps=tuple(itertools.product(*(getattr(lay, key) for key in OVERLAP_FIELDS))))
     if len(grid) == 0:
         raise InputError(f"search space: no layout of tp/cp/pp divides devices={devices}; "
                          "add 1 to layout.tp, layout.pp and layout.cp")
-    return grid
+    return split_and_dispatch_variants(grid, lay.pipeline_split, lay.dispatcher)
+
+
+def split_and_dispatch_variants(grid: LayoutBatch, splits: tuple[str, ...], dispatchers: tuple[str, ...]) -> LayoutBatch:
+    """The grid once per pipeline split (the balanced copy only of rows with pp > 1) and per
+    dispatcher (the non-alltoall copies only of rows with ep > 1): the search keeps each
+    geometry's fastest, so it picks the split that balances the stages and the dispatcher."""
+    pp = np.asarray(grid.pp)
+    parts = []
+    for split in splits:
+        rows = np.flatnonzero(pp > 1) if split == "balanced" else np.arange(len(grid))
+        part = grid.take(rows)
+        if split == "balanced":
+            part = dataclasses.replace(part, balanced_split=np.ones(len(rows), dtype=bool))
+        parts.append(part)
+    out = []
+    for dispatcher in dispatchers:
+        for part in parts:
+            rows = np.arange(len(part)) if dispatcher == "alltoall" else np.flatnonzero(np.asarray(part.ep) > 1)
+            sub = part.take(rows)
+            out.append(dataclasses.replace(sub, dispatcher=np.full(len(rows), DISPATCHERS.index(dispatcher))))
+    if len(out) == 1:
+        return out[0]
+    fields = [f.name for f in dataclasses.fields(LayoutBatch)]
+    merged = {}
+    for name in fields:
+        values = [np.asarray(getattr(p, name)) for p in out]
+        if name == "stage_layers":
+            width = max(v.shape[1] for v in values)
+            values = [np.pad(v, ((0, 0), (0, width - v.shape[1])), constant_values=-1) for v in values]
+        merged[name] = np.concatenate(values)
+    return LayoutBatch(**merged)
 
 
 __all__ = [
     "ComputeOptimalSpec", "GeometrySet", "GeometrySpace", "LayoutSpace", "ResolvedSpace", "SearchSpace",
-    "default_space_path", "geometries", "geometry_label", "layout_grid", "load_space", "resolve_space",
+    "default_space_path", "geometries", "geometry_label", "layout_grid", "load_space", "resolve_space", "scale_up_devices",
+    "usable_tp",
     "space_from_dict",
 ]

@@ -133,6 +133,46 @@ def sweep(cluster: Any, over: str, values: Optional[list[float]] = None, devices
     return pd.DataFrame(rows)
 
 
+def optima(frame: Any) -> list[dict[str, Any]]:
+    """Where each budget's best loss sits in a sweep: the value, whether it is at an end of the swept
+    values (boundary) or inside them (interior), the geometry, and for the compute-optimal side
+    what its geometry needs on this cluster (days, or infeasible)."""
+    out = []
+    values = frame["value"].to_numpy(dtype=float)
+    for side in ("compute_optimal", "cluster_optimal"):
+        loss = frame[f"{side}_loss"].to_numpy(dtype=float)
+        if not np.any(np.isfinite(loss)):
+            continue
+        i = int(np.nanargmin(loss))
+        finite = np.flatnonzero(np.isfinite(loss))
+        where = "boundary" if i in (finite.min(), finite.max()) else "interior"
+        row = {"over": str(frame["over"].iloc[0]), "budget": side, "value": float(values[i]), "where": where,
+               "loss": float(loss[i]), "geometry": str(frame[f"{side}_geometry"].iloc[i])}
+        if side == "compute_optimal":
+            days = frame["compute_optimal_days_needed"].iloc[i] if "compute_optimal_days_needed" in frame else np.nan
+            row["days_needed"] = None if not np.isfinite(days) else float(days)
+            row["feasible_here"] = bool(np.isfinite(frame["compute_optimal_loss_in_budget"].iloc[i]))
+        else:
+            row["mfu"] = float(frame["cluster_optimal_mfu"].iloc[i])
+        out.append(row)
+    return out
+
+
+def optima_line(frame: Any) -> str:
+    """`optima` in one sentence (what `mosaic sweep` prints under its table)."""
+    rows = {r["budget"]: r for r in optima(frame)}
+    parts = []
+    for side, name in (("compute_optimal", "fixed model FLOPs"), ("cluster_optimal", "deliverable compute")):
+        if side in rows:
+            r = rows[side]
+            text = f"{name}: best at {r['value']:.4g} ({r['where']}, loss {r['loss']:.4f})"
+            if side == "compute_optimal":
+                text += (f", needs {r['days_needed']:.1f} days here" if r.get("days_needed")
+                         else ", no layout fits here" if not r.get("feasible_here") else "")
+            parts.append(text)
+    return "; ".join(parts)
+
+
 def plot_sweep(frame: Any, path: str, title: str = "") -> None:
     """Best loss per value under both budgets (PNG, written atomically)."""
     import matplotlib
@@ -160,4 +200,4 @@ def plot_sweep(frame: Any, path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-__all__ = ["OVER", "plot_sweep", "sweep"]
+__all__ = ["OVER", "optima", "optima_line", "plot_sweep", "sweep"]

@@ -147,9 +147,28 @@ def trainer_precision(layout: ParallelLayout, device: str) -> str:
     return "fp32" if layout.precision == "fp32" else "bf16"
 
 
+def unsupported_features(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
+    """Model and layout features the bundled trainer does not implement (one message each): MTP,
+    MLA with tensor parallel, the allgather / fused dispatchers, capacity factors."""
+    problems = []
+    if model.n_mtp_layers > 0:
+        problems.append(f"n_mtp_layers={model.n_mtp_layers}: multi-token prediction is not implemented in the bundled "
+                        "trainer; set n_mtp_layers: 0, or export the plan (mosaic export --format megatron)")
+    if model.kv_lora_rank > 0 and layout.tp > 1:
+        problems.append(f"kv_lora_rank={model.kv_lora_rank} (multi-head latent attention) with tp={layout.tp}: the "
+                        "bundled trainer's tensor parallel covers standard attention only; use tp=1")
+    if layout.dispatcher != "alltoall":
+        problems.append(f"dispatcher={layout.dispatcher}: the bundled trainer dispatches tokens with all_to_all_single; "
+                        "set dispatcher=alltoall")
+    if layout.capacity_factor is not None:
+        problems.append(f"capacity_factor={layout.capacity_factor:g}: the bundled trainer routes dropless; "
+                        "leave capacity_factor out")
+    return problems
+
+
 def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
     """What this trainer cannot run, beyond the shared validity rules (one message per reason)."""
-    problems = []
+    problems = unsupported_features(model, layout)
     if layout.cp > 1:
         problems.append(f"cp={layout.cp}: context parallel is not implemented in the bundled trainer; use cp=1")
     if layout.tp > 1:

@@ -7,6 +7,7 @@ One line per optimizer step with exactly the keys `METRIC_KEYS`:
   tokens_per_s       global batch tokens / step_time_s
   step_time_s        wall time of the step on rank 0 (data, forward, backward, optimizer)
   mfu                model FLOP/s / (world * device peak of the compute precision)
+  mfu_palm           the same with the PaLM / Megatron attention count (12*L*s*h_q, no causal halving)
   tflops_per_device  model FLOP/s per device / 1e12
   peak_memory_bytes  cuda/npu: peak allocated device memory; cpu: peak resident set of rank 0
   expert_imbalance   max / mean tokens per expert over the global batch, averaged over MoE
@@ -14,7 +15,7 @@ One line per optimizer step with exactly the keys `METRIC_KEYS`:
   val_loss           cross-entropy on the held-out token file after this step (nats/token,
                      `validation.validation_loss`), null at steps without a validation
 Model FLOPs follow the perfmodel convention: `model_flops_per_token`
-(6*N_act + 6*h*V + 12*L*s*h_q; recompute not counted).
+(6*N_act + 6*h*V + 6*L*s*h_q, causal attention as executed; recompute not counted).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from perfmodel.specs.architecture import MoEArchitecture, model_flops_per_token
+from perfmodel.specs.architecture import MoEArchitecture, model_flops_per_token, model_flops_per_token_palm
 from perfmodel.specs.strict import write_text_atomic
 
-METRIC_KEYS = ("step", "loss", "aux_loss", "tokens_per_s", "step_time_s", "mfu", "tflops_per_device",
+METRIC_KEYS = ("step", "loss", "aux_loss", "tokens_per_s", "step_time_s", "mfu", "mfu_palm", "tflops_per_device",
                "peak_memory_bytes", "expert_imbalance", "val_loss")
 
 
@@ -45,6 +46,7 @@ def step_metrics(*, step: int, loss: float, aux_loss: float, step_time_s: float,
         "tokens_per_s": float(tokens_per_s),
         "step_time_s": float(step_time_s),
         "mfu": per_device / peak_flops_per_s,
+        "mfu_palm": float(model_flops_per_token_palm(arch)) * tokens_per_s / world / peak_flops_per_s,
         "tflops_per_device": per_device / 1e12,
         "peak_memory_bytes": int(peak_memory_bytes),
         "expert_imbalance": float(expert_imbalance),

@@ -1,6 +1,7 @@
 """The bundled model: a decoder-only MoE transformer, single-device code only.
 
-Built from `MoEArchitecture`: RMSNorm, RoPE, GQA attention through SDPA,
+Built from `MoEArchitecture`: RMSNorm, RoPE, GQA attention through SDPA (or multi-head latent
+attention, `LatentAttention`, when kv_lora_rank > 0),
 gated (SwiGLU) or plain MLP for the dense layers, and MoE layers with a
 top-k router (softmax + Switch/GShard auxiliary loss, or sigmoid with
 DeepSeek-V3 bias balancing), shared experts and `n_dense_layers` dense first
@@ -78,6 +79,63 @@ class Attention(nn.Module):
         else:
             out = self.core(q, k, v, mask)  # (B, n_heads, T, D)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 sec. 2.1; the performance model's
+    `mla_attention_ops`). Queries: q_lora_rank > 0 compresses h to r_q (wq_a), normalises the
+    latent and expands it to H heads of d_q = head_dim (wq_b); else one projection (wq). Keys and
+    values: h -> r_kv latent + one shared rotary key of d_r (wkv_a), the latent normalised and
+    expanded to H non-rotary keys of d_q - d_r and H values of d_v (wkv_b). RoPE (rotate-half, as
+    `Attention`) on the rotary parts; a head's key is [non-rotary key, the shared rotary key].
+    Selective recompute (`checkpoint_core`) recomputes the up projections with the core
+    (Megatron's mla_up_proj + core_attn): only the latents are kept."""
+
+    def __init__(self, arch: MoEArchitecture):
+        super().__init__()
+        h, H = arch.d_model, arch.n_heads
+        self.n_heads, self.d_q, self.d_r, self.d_v = H, arch.head_dim, arch.qk_rope_head_dim, arch.v_head_dim
+        self.d_n = arch.head_dim - arch.qk_rope_head_dim
+        self.r_q, self.r_kv = arch.q_lora_rank, arch.kv_lora_rank
+        if self.r_q > 0:
+            self.wq_a = nn.Linear(h, self.r_q, bias=False)
+            self.q_norm = nn.RMSNorm(self.r_q, eps=1e-6)
+            self.wq_b = nn.Linear(self.r_q, H * self.d_q, bias=False)
+        else:
+            self.wq = nn.Linear(h, H * self.d_q, bias=False)
+        self.wkv_a = nn.Linear(h, self.r_kv + self.d_r, bias=False)
+        self.kv_norm = nn.RMSNorm(self.r_kv, eps=1e-6)
+        self.wkv_b = nn.Linear(self.r_kv, H * (self.d_n + self.d_v), bias=False)
+        self.wo = nn.Linear(H * self.d_v, h, bias=False)
+        self.checkpoint_core = False
+
+    def up_and_core(self, q_lat_BTR: torch.Tensor, kv_lat_BTR: torch.Tensor, k_rope_BTD: torch.Tensor,
+                    positions_BT: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Up projections, RoPE and the attention core: (B, T, H * d_v)."""
+        B, T, _ = q_lat_BTR.shape
+        H = self.n_heads
+        q = (self.wq_b(self.q_norm(q_lat_BTR)) if self.r_q > 0 else self.wq(q_lat_BTR)).view(B, T, H, self.d_q)
+        q = torch.cat([q[..., :self.d_n], rope(q[..., self.d_n:], positions_BT)], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv_lat_BTR)).view(B, T, H, self.d_n + self.d_v)
+        k_rope = rope(k_rope_BTD.view(B, T, 1, self.d_r), positions_BT).expand(B, T, H, self.d_r)
+        k = torch.cat([kv[..., :self.d_n], k_rope], dim=-1)
+        v = kv[..., self.d_n:]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(B, T, H * self.d_v)
+
+    def forward(self, x_BTH: torch.Tensor, positions_BT: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        q_lat = self.wq_a(x_BTH) if self.r_q > 0 else x_BTH
+        kv_lat, k_rope = self.wkv_a(x_BTH).split([self.r_kv, self.d_r], dim=-1)
+        if self.checkpoint_core and torch.is_grad_enabled():
+            out = torch.utils.checkpoint.checkpoint(self.up_and_core, q_lat, kv_lat, k_rope, positions_BT, mask,
+                                                    use_reentrant=False)
+        else:
+            out = self.up_and_core(q_lat, kv_lat, k_rope, positions_BT, mask)
+        return self.wo(out)
 
 
 class FeedForward(nn.Module):
@@ -249,7 +307,7 @@ class Block(nn.Module):
     def __init__(self, arch: MoEArchitecture, layer: int, router: str, experts_impl: str):
         super().__init__()
         self.attn_norm = nn.RMSNorm(arch.d_model, eps=1e-6)
-        self.attn = Attention(arch)
+        self.attn: nn.Module = LatentAttention(arch) if arch.kv_lora_rank > 0 else Attention(arch)
         self.ffn_norm = nn.RMSNorm(arch.d_model, eps=1e-6)
         self.is_moe = arch.n_experts > 0 and layer >= arch.n_dense_layers
         self.ffn: nn.Module = (MoE(arch, router, experts_impl) if self.is_moe

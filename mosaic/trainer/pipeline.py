@@ -1,7 +1,9 @@
 """Pipeline parallel with `torch.distributed.pipelining`: `apply_pp(model, layout, meshes, ...)`.
 
 Split (as the performance model assumes, `perfmodel.schedule`): the L layers are cut into
-pp*vpp chunks of L/(pp*vpp) consecutive layers; the embedding goes with the first chunk,
+pp*vpp chunks of consecutive layers as the layout splits them (`perfmodel.specs.stages`: L/(pp*vpp)
+each by default, the balanced split when pp*vpp does not divide L, or Megatron's first/last,
+account-for and layout-string options), so stages may differ in depth; the embedding goes with the first chunk,
 the final norm, LM head and loss with the last. Chunk c lives on pipeline rank c % pp (the
 looped assignment of interleaved 1F1B, Narayanan et al. 2021), so with vpp = 1 rank r holds
 chunk r. Each chunk is a deep copy of the whole single-device model with the other layers and
@@ -69,17 +71,24 @@ class RankModel(nn.Module):
         return [b.ffn for b in self.layers.values() if isinstance(b.ffn, MoE)]
 
 
-def chunk_layers(n_layers: int, pp: int, vpp: int) -> list[range]:
-    """Layers of each of the pp*vpp chunks: L/(pp*vpp) consecutive layers each."""
-    n_chunks = pp * vpp
-    assert n_layers % n_chunks == 0, (n_layers, pp, vpp)  # checked by validity.pp_divides_layers
-    per = n_layers // n_chunks
-    return [range(c * per, (c + 1) * per) for c in range(n_chunks)]
+def chunk_layers(n_layers: int, pp: int, vpp: int, layout: Optional[ParallelLayout] = None) -> list[range]:
+    """Consecutive layers of each of the pp*vpp chunks, as the layout splits them
+    (`perfmodel.specs.stages.virtual_stage_layers`: even, balanced or Megatron's uneven options;
+    without a layout, the even split)."""
+    from perfmodel.specs.stages import virtual_stage_layers
+
+    if layout is None:
+        layout = ParallelLayout(pp=pp, vpp=vpp)
+    counts = virtual_stage_layers(n_layers, layout)
+    assert len(counts) == pp * vpp and sum(counts) == n_layers, (n_layers, counts)  # validity.split_fits_layers
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
 
 
-def split_model(model: Transformer, pp: int, vpp: int, pp_rank: int) -> list[tuple[int, Transformer]]:
+def split_model(model: Transformer, pp: int, vpp: int, pp_rank: int,
+                layout: Optional[ParallelLayout] = None) -> list[tuple[int, Transformer]]:
     """(stage index, chunk) of the chunks pipeline rank `pp_rank` holds: c = pp_rank, pp_rank + pp, ..."""
-    ranges = chunk_layers(len(model.layers), pp, vpp)
+    ranges = chunk_layers(len(model.layers), pp, vpp, layout)
     n_chunks = len(ranges)
     out = []
     for c in range(pp_rank, n_chunks, pp):
@@ -166,7 +175,7 @@ def apply_pp(model: Transformer, layout: ParallelLayout, meshes: Any, device: to
 
     pp, vpp = layout.pp, layout.vpp
     m = layout.micro_batches()
-    chunks = split_model(model, pp, vpp, meshes.pp_rank)
+    chunks = split_model(model, pp, vpp, meshes.pp_rank, layout)
     arch = model.arch
     # Static shapes of what each stage receives and sends (one micro-batch), so the schedule skips
     # its run-time shape inference (an extra forward on placeholder inputs that would count
@@ -178,11 +187,11 @@ def apply_pp(model: Transformer, layout: ParallelLayout, meshes: Any, device: to
     hidden = torch.empty(mbs, seq, arch.d_model, device="meta", requires_grad=True)
     logits = torch.empty(mbs, arch.seq_len, arch.vocab_size, device="meta", dtype=logits_dtype, requires_grad=True)
     tokens = torch.empty(mbs, arch.seq_len, device="meta", dtype=torch.int64)
-    ranges = chunk_layers(arch.n_layers, pp, vpp)
+    ranges = chunk_layers(arch.n_layers, pp, vpp, layout)
     n_chunks = pp * vpp
 
     def aux_after(c: int) -> torch.Tensor:
-        moe_seen = arch.n_experts > 0 and ranges[c].stop > arch.n_dense_layers
+        moe_seen = arch.n_experts > 0 and ranges[c].stop > arch.n_dense_layers and ranges[c].stop > 0
         return torch.empty(1, device="meta", requires_grad=moe_seen)
 
     stages = []

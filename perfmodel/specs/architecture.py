@@ -8,12 +8,21 @@ the planner call exactly these formulas.
 
 Parameter counting (no biases, as in Llama/Mixtral/DeepSeek):
   attention   h*(h_q + 2*h_kv) + h_q*h      h_q = n_heads*head_dim, h_kv = n_kv_heads*head_dim
+  MLA         (multi-head latent attention, DeepSeek-V2 arXiv 2405.04434 sec. 2.1; Megatron-Core
+              `MLASelfAttention`), H heads, d_q = head_dim (query/key head: non-rope d_n + rope d_r),
+              d_v = v_head_dim, ranks r_q (0: no query compression) and r_kv:
+                q    r_q > 0: h*r_q + r_q (norm) + r_q*H*d_q;  r_q = 0: h*H*d_q
+                kv   h*(r_kv + d_r) + r_kv (norm) + r_kv*H*(d_n + d_v)
+                out  H*d_v*h
   FFN matrix  (3 if gated else 2) * h * width
   router      h * E
   norms       2*h per layer + h final
   embeddings  V*h input, + V*h LM head unless tied
-Multi-head latent attention (DeepSeek-V2/V3) is not modelled; describe it by
-the GQA geometry with the same projection parameter count (see tests).
+Multi-token prediction (DeepSeek-V3 sec. 2.2; Megatron-Core `MultiTokenPredictionLayer`): each of
+the n_mtp_layers modules has two input norms, a 2h -> h projection, one transformer layer of the
+model's last layer type, a final norm, and shares the embedding and the LM head. Its parameters
+(`mtp_params`) are not part of N_tot / N_act (DeepSeek-V3's 671B / 37B leave its 14B MTP weights
+out); its FLOPs are part of the model FLOPs (as Megatron's `num_floating_point_operations`).
 """
 
 from __future__ import annotations
@@ -21,18 +30,26 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
-from perfmodel.specs.protocols import ArchLike, Values
+from perfmodel.memo import memoised
+from perfmodel.specs.protocols import ArchLike, Values, rows_of
 from perfmodel.specs.strict import check
 
-ARCH_FIELDS = (
+CORE_ARCH_FIELDS = (
     "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "seq_len",
     "n_experts", "top_k", "n_shared_experts", "d_expert", "d_ff_dense", "n_dense_layers",
     "ffn_ratio", "gated_ffn", "tie_embeddings",
 )
+"""The fields every model file and runs CSV row gives."""
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
+"""Multi-head latent attention (optional; kv_lora_rank > 0 turns it on)."""
+MTP_FIELDS = ("n_mtp_layers",)
+"""Multi-token prediction modules (optional)."""
+ARCH_FIELDS = CORE_ARCH_FIELDS + MLA_FIELDS + MTP_FIELDS
+OPTIONAL_ARCH_FIELDS = MLA_FIELDS + MTP_FIELDS
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,19 @@ class MoEArchitecture:
     """SwiGLU-style FFN (3 matrices) instead of a plain 2-matrix MLP."""
     tie_embeddings: bool = False
     """LM head shares the input embedding matrix."""
+    # Multi-head latent attention (MLA_FIELDS): on when kv_lora_rank > 0. Then head_dim is the
+    # query/key head width (its non-rope part d_n = head_dim - qk_rope_head_dim) and n_kv_heads
+    # equals n_heads (every head gets its own key and value from the shared latent).
+    q_lora_rank: int = 0
+    """MLA query compression rank r_q (0: queries projected from h directly, DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 0
+    """MLA key/value compression rank r_kv (DeepSeek-V3: 512); 0 = standard attention."""
+    qk_rope_head_dim: int = 0
+    """MLA: the decoupled rotary part d_r of each query/key head (DeepSeek-V3: 64 of 192)."""
+    v_head_dim: int = 0
+    """MLA: width d_v of each value head (DeepSeek-V3: 128)."""
+    n_mtp_layers: int = 0
+    """Multi-token prediction modules after the last layer (DeepSeek-V3: 1)."""
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "seq_len"):
@@ -94,6 +124,24 @@ class MoEArchitecture:
             if self.n_dense_layers > 0:
                 check(self.d_ff_dense >= 1, "d_ff_dense", "n_dense_layers > 0 needs d_ff_dense >= 1",
                       "set d_ff_dense to the dense FFN width")
+        for name in MLA_FIELDS + MTP_FIELDS:
+            check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}", "give 0 or a positive integer")
+        if self.kv_lora_rank == 0:
+            for name in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+                check(getattr(self, name) == 0, name, "is an MLA field but kv_lora_rank is 0 (standard attention)",
+                      "set kv_lora_rank (e.g. 512) for multi-head latent attention, or remove " + name)
+        else:
+            for name in ("kv_lora_rank", "q_lora_rank"):
+                check(getattr(self, name) < self.d_model, name,
+                      f"{getattr(self, name)} is not smaller than d_model={self.d_model} (a latent rank compresses h)",
+                      "use a rank below d_model (DeepSeek-V3: q 1536, kv 512 of 7168)")
+            check(self.n_kv_heads == self.n_heads, "n_kv_heads",
+                  f"MLA gives every head its own key and value: n_kv_heads={self.n_kv_heads} != n_heads={self.n_heads}",
+                  f"set n_kv_heads: {self.n_heads}")
+            check(self.qk_rope_head_dim < self.head_dim and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+                  f"{self.qk_rope_head_dim} must be even and below head_dim={self.head_dim} (the query/key head "
+                  "width, rope part included)", "DeepSeek-V3: head_dim 192 = 128 + qk_rope_head_dim 64")
+            check(self.v_head_dim >= 1, "v_head_dim", "MLA needs v_head_dim >= 1", "DeepSeek-V3: 128")
 
     # Convenience methods: the pure functions below are the definitions.
     def total_params(self, embeddings: bool = False) -> float:
@@ -113,6 +161,14 @@ class MoEArchitecture:
     @property
     def model_flops_per_token(self) -> float:
         return float(model_flops_per_token(self))
+
+    @property
+    def model_flops_per_token_palm(self) -> float:
+        return float(model_flops_per_token_palm(self))
+
+    @property
+    def uses_mla(self) -> bool:
+        return bool(uses_mla(self))
 
     def replace(self, **changes: Any) -> MoEArchitecture:
         return dataclasses.replace(self, **changes)
@@ -138,6 +194,17 @@ class ArchBatch:
     ffn_ratio: np.ndarray
     gated_ffn: np.ndarray
     tie_embeddings: np.ndarray
+    q_lora_rank: Optional[np.ndarray] = None
+    """MLA and MTP columns (OPTIONAL_ARCH_FIELDS); None = 0 for every row."""
+    kv_lora_rank: Optional[np.ndarray] = None
+    qk_rope_head_dim: Optional[np.ndarray] = None
+    v_head_dim: Optional[np.ndarray] = None
+    n_mtp_layers: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        for name in OPTIONAL_ARCH_FIELDS:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros(np.shape(self.n_layers), dtype=np.int64))
 
     @staticmethod
     def stack(archs: Sequence[MoEArchitecture]) -> ArchBatch:
@@ -156,44 +223,69 @@ class ArchBatch:
         return MoEArchitecture(**values)
 
     def take(self, index: Union[int, slice, np.ndarray]) -> ArchBatch:
-        return ArchBatch(**{name: np.asarray(getattr(self, name))[index] for name in ARCH_FIELDS})
+        return ArchBatch(**{name: rows_of(getattr(self, name), index) for name in ARCH_FIELDS})
 
 
 # ---------------------------------------------------------------------------
 # Derived quantities: pure functions over MoEArchitecture or ArchBatch.
 
+@memoised
 def ffn_matrices(arch: ArchLike) -> Values:
     """Weight matrices per FFN: 3 for gated (SwiGLU), 2 for a plain MLP."""
     return np.where(arch.gated_ffn, 3, 2)
 
 
+@memoised
 def n_moe_layers(arch: ArchLike) -> Values:
     """Layers whose FFN is routed (0 for a dense model)."""
     return np.where(np.asarray(arch.n_experts) > 0, np.asarray(arch.n_layers) - arch.n_dense_layers, 0)
 
 
+@memoised
 def n_ffn_dense_layers(arch: ArchLike) -> Values:
     """Layers whose FFN is the dense d_ff_dense MLP."""
     return np.asarray(arch.n_layers) - n_moe_layers(arch)
 
 
+def uses_mla(arch: ArchLike) -> Values:
+    """Multi-head latent attention is on (kv_lora_rank > 0)."""
+    return np.asarray(arch.kv_lora_rank) > 0
+
+
+def mla_attention_params(arch: ArchLike) -> Values:
+    """MLA projections and latent norms of one layer (module doc): q (compressed or direct),
+    kv down + norm + up, output; 0 without MLA."""
+    h = np.asarray(arch.d_model)
+    heads, d_q, d_r = np.asarray(arch.n_heads), np.asarray(arch.head_dim), np.asarray(arch.qk_rope_head_dim)
+    r_q, r_kv, d_v = np.asarray(arch.q_lora_rank), np.asarray(arch.kv_lora_rank), np.asarray(arch.v_head_dim)
+    q = np.where(r_q > 0, h * r_q + r_q + r_q * heads * d_q, h * heads * d_q)
+    kv = h * (r_kv + d_r) + r_kv + r_kv * heads * (d_q - d_r + d_v)
+    return np.where(r_kv > 0, q + kv + heads * d_v * h, 0)
+
+
+@memoised
 def attention_params_per_layer(arch: ArchLike) -> Values:
-    """QKV + output projections: h*(h_q + 2*h_kv) + h_q*h."""
+    """QKV + output projections: h*(h_q + 2*h_kv) + h_q*h; MLA: `mla_attention_params`."""
     h_q = np.asarray(arch.n_heads) * arch.head_dim
     h_kv = np.asarray(arch.n_kv_heads) * arch.head_dim
-    return np.asarray(arch.d_model) * (h_q + 2 * h_kv) + h_q * arch.d_model
+    mha = np.asarray(arch.d_model) * (h_q + 2 * h_kv) + h_q * arch.d_model
+    mla = uses_mla(arch)
+    return np.where(mla, mla_attention_params(arch), mha) if np.any(mla) else mha
 
 
+@memoised
 def expert_params(arch: ArchLike) -> Values:
     """Parameters of one expert (routed or shared): (2|3) * h * d_expert."""
     return ffn_matrices(arch) * np.asarray(arch.d_model) * arch.d_expert
 
 
+@memoised
 def dense_ffn_params(arch: ArchLike) -> Values:
     """Parameters of one dense FFN: (2|3) * h * d_ff_dense."""
     return ffn_matrices(arch) * np.asarray(arch.d_model) * arch.d_ff_dense
 
 
+@memoised
 def router_params(arch: ArchLike) -> Values:
     return np.asarray(arch.d_model) * arch.n_experts
 
@@ -235,6 +327,18 @@ def active_params(arch: ArchLike, embeddings: bool = False) -> Values:
     return body + embedding_params(arch) if embeddings else body
 
 
+def mtp_params(arch: ArchLike, active: bool = False) -> Values:
+    """Parameters of the multi-token prediction modules (all or `active` per token): per module
+    two input norms + final norm (3h), the 2h -> h projection, one layer of the model's last
+    layer type (MoE when the model has MoE layers); embedding and LM head are shared."""
+    h = np.asarray(arch.d_model)
+    moe = n_moe_layers(arch) > 0
+    routed = np.asarray(arch.top_k) if active else np.asarray(arch.n_experts)
+    ffn = np.where(moe, _moe_layer_params(arch, routed), dense_ffn_params(arch))
+    layer = attention_params_per_layer(arch) + 2 * h + ffn
+    return np.asarray(arch.n_mtp_layers) * (layer + 3 * h + 2 * h * h)
+
+
 def sparsity(arch: ArchLike) -> Values:
     """S = 1 - N_act/N_tot (non-embedding): fraction of parameters inactive per token."""
     return 1.0 - active_params(arch) / total_params(arch)
@@ -253,16 +357,47 @@ def granularity(arch: ArchLike) -> Values:
     return np.where((np.asarray(arch.n_experts) > 0) & (d_expert > 0), ratio, 1.0)
 
 
-def attention_flops_per_token(arch: ArchLike) -> Values:
-    """Score and value matmuls, forward+backward, no causal discount: 12*L*s*h_q."""
-    return 12.0 * np.asarray(arch.n_layers) * arch.seq_len * np.asarray(arch.n_heads) * arch.head_dim
+def attention_flops_per_token(arch: ArchLike, layers: Any = None, causal: bool = True) -> Values:
+    """Score and value matmuls, forward + backward, as the kernels execute them: causal attention
+    skips the masked half, 6*L*s*h_q (`causal=False`: the whole square, 12*L*s*h_q, the PaLM /
+    Megatron count, Chowdhery et al. 2022 app. B). MLA (query/key heads of head_dim, value heads
+    of v_head_dim): 3*L*s*H*(head_dim + v_head_dim) causal, twice that without. `layers`
+    defaults to n_layers."""
+    half = 0.5 if causal else 1.0
+    layers = np.asarray(arch.n_layers) if layers is None else layers
+    mha = half * 12.0 * layers * arch.seq_len * np.asarray(arch.n_heads) * arch.head_dim
+    on = uses_mla(arch)
+    if not np.any(on):
+        return mha
+    mla = half * 6.0 * layers * arch.seq_len * np.asarray(arch.n_heads) * (np.asarray(arch.head_dim) + arch.v_head_dim)
+    return np.where(on, mla, mha)
+
+
+def mtp_flops_per_token(arch: ArchLike, causal: bool = True) -> Values:
+    """Model FLOPs of the multi-token prediction modules (Megatron's convention): 6 x their active
+    parameters, their LM-head logits 6*h*V each, their attention (`attention_flops_per_token`)."""
+    n_mtp = np.asarray(arch.n_mtp_layers)
+    if not np.any(n_mtp > 0):
+        return np.zeros(np.shape(n_mtp)) if np.ndim(n_mtp) else 0.0
+    lm_head = 6.0 * np.asarray(arch.d_model) * arch.vocab_size
+    return np.where(n_mtp > 0, 6.0 * mtp_params(arch, active=True) + n_mtp * lm_head
+                    + attention_flops_per_token(arch, n_mtp, causal), 0.0)
 
 
 def model_flops_per_token(arch: ArchLike) -> Values:
-    """Training model FLOPs per token (PaLM/Megatron convention, DESIGN.md).
+    """Training model FLOPs per token, MOSAIC's convention (DESIGN.md): the MFU numerator.
 
-    6*N_act (non-embedding) + 6*h*V (LM head) + 12*L*s*h_q (attention, no causal
-    halving). Recompute is not counted: this is the MFU numerator.
+    6*N_act (non-embedding) + 6*h*V (LM head) + 6*L*s*h_q (causal attention as executed; MLA:
+    `attention_flops_per_token`) + the MTP modules (`mtp_flops_per_token`), so MFU cannot pass
+    1 at long context. Recompute is not counted: this is the MFU numerator.
     """
     lm_head = 6.0 * np.asarray(arch.d_model) * arch.vocab_size
-    return 6.0 * active_params(arch) + lm_head + attention_flops_per_token(arch)
+    return 6.0 * active_params(arch) + lm_head + attention_flops_per_token(arch) + mtp_flops_per_token(arch)
+
+
+def model_flops_per_token_palm(arch: ArchLike) -> Values:
+    """The PaLM / Megatron convention: as `model_flops_per_token` with the attention square not
+    halved (12*L*s*h_q); reported beside MOSAIC's MFU as `mfu_palm` for comparison with published MFUs."""
+    lm_head = 6.0 * np.asarray(arch.d_model) * arch.vocab_size
+    return (6.0 * active_params(arch) + lm_head + attention_flops_per_token(arch, causal=False)
+            + mtp_flops_per_token(arch, causal=False))

@@ -1,4 +1,4 @@
-"""Where a model trains: `Accelerator`, `FabricLevel`, `ClusterSpec` (+ curves).
+"""Where a model trains: `Accelerator` (with its fitted kernel figures), `FabricLevel`, `ClusterSpec`.
 
 A cluster file describes hardware (device, node size, fabric levels), not a
 job: the device count is the default job size and its upper bound. Every
@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -20,42 +21,11 @@ import yaml
 from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
+from perfmodel.specs.dispatch import FUSED_DISPATCHERS, EpDispatcherFigures
+from perfmodel.specs.kernels import KernelFigures, provenance
 from perfmodel.specs.strict import check, spec_to_dict
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-
-
-@dataclass(frozen=True)
-class EfficiencyCurve:
-    """Achieved fraction of peak as a function of problem size.
-
-    Piecewise linear in log10(size), flat beyond the ends. For compute the size
-    is the FLOPs of one kernel call; for memory it is the bytes it moves.
-    """
-
-    sizes: tuple[float, ...]
-    """Problem sizes, strictly increasing (FLOPs or bytes)."""
-    values: tuple[float, ...]
-    """Efficiency in (0, 1] at each size."""
-    source: str = ""
-    """Where the points come from (datasheet, paper, calibration run)."""
-
-    def __post_init__(self) -> None:
-        check(len(self.sizes) == len(self.values) and len(self.sizes) >= 1, "sizes",
-              f"{len(self.sizes)} sizes but {len(self.values)} values", "give one value per size")
-        check(all(s > 0 for s in self.sizes), "sizes", "sizes must be > 0", "use positive FLOPs or bytes")
-        check(all(b > a for a, b in zip(self.sizes, self.sizes[1:])), "sizes",
-              "sizes must be strictly increasing", "sort them and drop duplicates")
-        check(all(0 < v <= 1 for v in self.values), "values",
-              f"efficiencies must be in (0, 1], got {list(self.values)}", "use fractions of peak")
-
-    def __call__(self, size: ArrayLike) -> np.ndarray:
-        log_size = np.log10(np.maximum(np.asarray(size, dtype=float), 1e-30))
-        return np.interp(log_size, np.log10(self.sizes), self.values)
-
-    @property
-    def max_value(self) -> float:
-        return max(self.values)
 
 
 @dataclass(frozen=True)
@@ -70,10 +40,9 @@ class Accelerator:
     """Device memory (vendor label)."""
     hbm_bandwidth_bytes_per_s: float
     """Peak memory bandwidth."""
-    compute_efficiency: dict[str, EfficiencyCurve]
-    """Achieved fraction of peak vs kernel FLOPs, per precision (missing ones use bf16)."""
-    memory_efficiency: EfficiencyCurve
-    """Achieved fraction of HBM bandwidth vs bytes moved."""
+    kernels: KernelFigures
+    """Fitted kernel figures (GEMM and grouped GEMM by shape, attention, memory-bound kernel
+    classes) with their rows, errors, sources and derivation (`perfmodel.specs.kernels`)."""
     launch_latency_s: float
     """Host time to dispatch one kernel (bounds small micro-batches)."""
     sources: dict[str, str]
@@ -86,10 +55,10 @@ class Accelerator:
     recompute (None: not priced). Measured by `mosaic calibrate` on cpu."""
     checkpoint_saved_tensor_latency_s: Optional[float] = None
     """Host time per tensor a checkpointed region saves (pack, recompute, unpack hooks)."""
-    attention_efficiency_vs_gemm: Optional[float] = None
-    """The attention core's achieved rate over a dense GEMM's of equal FLOPs (same precision);
-    None: priced as that GEMM. Measured by `mosaic calibrate` from its SDPA points (the cpu
-    figures: docs/validation.md)."""
+    host_sync_latency_s: Optional[float] = None
+    """Host time of a device-to-host read the host must wait for (the stream drains, a small
+    copy comes back), as MoE token dispatchers do once per layer to learn the split sizes
+    (`perfmodel.host.MOE_HOST_SYNCS_PER_LAYER`); the device idles meanwhile (None: not priced)."""
     dtensor_op_latency_s: Optional[float] = None
     """Host time one DTensor op adds beyond the single-device ops (tensor parallel in eager
     PyTorch: sharding propagation, wrapping); priced on CPU clusters, whose ranks run the
@@ -107,17 +76,12 @@ class Accelerator:
               "must be in (0, hbm_bytes]", "lower it or leave it out")
         check(self.hbm_bandwidth_bytes_per_s > 0, "hbm_bandwidth_bytes_per_s", "must be > 0", "write e.g. 3.35e12")
         check(self.launch_latency_s >= 0, "launch_latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
-        for key in ("dtensor_op_latency_s", "checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s"):
+        for key in ("dtensor_op_latency_s", "checkpoint_region_latency_s", "checkpoint_saved_tensor_latency_s",
+                    "host_sync_latency_s"):
             value = getattr(self, key)
             check(value is None or (math.isfinite(value) and value >= 0), key, "must be >= 0 seconds",
                   "write seconds, e.g. 6.0e-5, or leave it out")
             check(value is None or key in self.sources, "sources", f"no source for {key}", "cite the measurement")
-        ratio = self.attention_efficiency_vs_gemm
-        check(ratio is None or (math.isfinite(ratio) and 0 < ratio <= 4), "attention_efficiency_vs_gemm",
-              f"must be in (0, 4], got {ratio}", "write the measured ratio, e.g. 0.3, or leave it out")
-        check(ratio is None or "attention_efficiency_vs_gemm" in self.sources, "sources",
-              "no source for attention_efficiency_vs_gemm", "cite the measurement")
-        check(len(self.compute_efficiency) > 0, "compute_efficiency", "is empty", "give a curve for bf16 (or fp32)")
         missing = [k for k in ("peak_flops_per_s", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "launch_latency_s")
                    if k not in self.sources]
         check(not missing, "sources", f"no source for {', '.join(missing)}", "cite a datasheet, paper or measurement")
@@ -134,11 +98,35 @@ class Accelerator:
         raise InputError(f"accelerator '{self.name}' has no {precision} peak; choose one of "
                          f"{', '.join(self.peak_flops_per_s)}")
 
-    def compute_curve(self, precision: str) -> EfficiencyCurve:
-        for name in (precision, "fp8" if precision == "mxfp8" else "", "bf16", "fp32"):
-            if name in self.compute_efficiency:
-                return self.compute_efficiency[name]
-        return next(iter(self.compute_efficiency.values()))
+    def max_gemm_efficiency(self, precisions: Sequence[str]) -> float:
+        """The largest e_max of any dense or grouped GEMM figure serving `precisions` (a bound
+        on achieved FLOP/s over peak, used by the planner's loss bound)."""
+        k = self.kernels
+        values = []
+        for p in precisions:
+            values.append(k.gemm[k.precision("gemm", p)].e_max)
+            grouped = k.grouped_gemm[k.precision("grouped_gemm", p)]
+            values += [grouped.fwd.e_max, grouped.dgrad.e_max, grouped.wgrad.e_max]
+        return max(values)
+
+    def max_attention_efficiency(self, precisions: Sequence[str]) -> float:
+        """The largest attention e_max serving `precisions` (the core runs bf16 under fp8)."""
+        k = self.kernels
+        names = {k.precision("attention", "bf16" if p in ("fp8", "mxfp8") else p) for p in precisions}
+        return max(max(k.attention[n].fwd_e_max, k.attention[n].bwd_e_max) for n in names)
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """Provenance of a fabric level's collective figures."""
+
+    source: str
+    rows: int = 0
+    median_abs_error: Optional[float] = None
+    derived: str = ""
+
+    def __post_init__(self) -> None:
+        provenance(self.rows, self.median_abs_error, self.source, self.derived)
 
 
 @dataclass(frozen=True)
@@ -159,6 +147,17 @@ class FabricLevel:
     """Where the figures come from."""
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     """... unless overridden here per collective (all_reduce, all_gather, reduce_scatter, all_to_all, p2p)."""
+    collective_latency_s: dict[str, float] = field(default_factory=dict)
+    """... and per collective, where measured (NCCL's algorithms differ: a tree all-reduce takes
+    more steps' latency than a ring all-gather); the rest take latency_s."""
+    ll_collective_latency_s: dict[str, float] = field(default_factory=dict)
+    """Low-latency protocol (NCCL LL/LL128) step latency per collective, where measured; a
+    collective without it has one protocol (`perfmodel.comm`)."""
+    ll_collective_efficiency: dict[str, float] = field(default_factory=dict)
+    """Low-latency protocol efficiency per collective (a fraction of the link's bandwidth)."""
+    collective_fit: Optional[CollectiveFit] = None
+    """How latency_s and the efficiencies were obtained: fitted table rows, or carried over
+    (`perfmodel.kernels.build`); None for a hand-written level."""
     sync_latency_s: float = 0.0
     """Fixed cost per blocking collective call issued between computations, beyond latency_s
     per step: the peers' waiting threads wake up and the ranks arrive apart. 0 where collectives
@@ -170,14 +169,36 @@ class FabricLevel:
               "write seconds, e.g. 5.0e-4, or leave it out (0)")
         check(self.bandwidth_bytes_per_s > 0, "bandwidth_bytes_per_s", "must be > 0", "write bytes/s, e.g. 450.0e9")
         check(self.latency_s >= 0, "latency_s", "must be >= 0", "write seconds, e.g. 5.0e-6")
-        check(0 < self.efficiency <= 1, "efficiency", f"must be in (0, 1], got {self.efficiency}", "use a fraction")
-        for name, value in self.collective_efficiency.items():
+        check(0 < self.efficiency <= 2, "efficiency", f"must be in (0, 2], got {self.efficiency}",
+              "use busbw / link bandwidth (above 1 only for in-switch reduction, NVLS)")
+        check(set(self.ll_collective_latency_s) == set(self.ll_collective_efficiency), "ll_collective_latency_s",
+              "low-latency figures come in pairs", "give ll_collective_latency_s and ll_collective_efficiency for "
+              "the same collectives")
+        for name, value in {**self.collective_latency_s, **self.ll_collective_latency_s}.items():
+            check(name in COLLECTIVES, f"collective_latency_s.{name}", "unknown collective",
+                  f"use one of {', '.join(COLLECTIVES)}")
+            check(math.isfinite(value) and value >= 0, f"collective_latency_s.{name}", "must be >= 0 seconds",
+                  "write seconds, e.g. 5.0e-6")
+        for name, value in {**self.collective_efficiency, **self.ll_collective_efficiency}.items():
             check(name in COLLECTIVES, f"collective_efficiency.{name}", "unknown collective",
                   f"use one of {', '.join(COLLECTIVES)}")
-            check(0 < value <= 1, f"collective_efficiency.{name}", f"must be in (0, 1], got {value}", "use a fraction")
+            check(0 < value <= 2, f"collective_efficiency.{name}", f"must be in (0, 2], got {value}",
+                  "use busbw / link bandwidth (above 1 only for in-switch reduction, NVLS)")
 
     def efficiency_of(self, collective: str) -> float:
         return self.collective_efficiency.get(collective, self.efficiency)
+
+    def latency_of(self, collective: str) -> float:
+        return self.collective_latency_s.get(collective, self.latency_s)
+
+    def has_low_latency(self, collective: str) -> bool:
+        return collective in self.ll_collective_latency_s
+
+    def ll_latency_of(self, collective: str) -> float:
+        return self.ll_collective_latency_s.get(collective, self.latency_of(collective))
+
+    def ll_efficiency_of(self, collective: str) -> float:
+        return self.ll_collective_efficiency.get(collective, self.efficiency_of(collective))
 
 
 @dataclass(frozen=True)
@@ -204,10 +225,15 @@ class Goodput:
 
 @dataclass(frozen=True)
 class Overlap:
-    """Largest fraction of each collective's time that may hide behind compute."""
+    """What the runtime lets each communication class hide behind compute, and what it costs.
 
-    tp: float = 0.0
-    ep: float = 0.0
+    Whether a class overlaps is the layout's choice (`ParallelLayout` overlap switches, FSDP's
+    prefetch, the interleaved schedule's p2p, context parallel's ring); these fractions are the
+    most of it the runtime can hide (1 where collectives run on their own device streams, NCCL
+    and HCCL; 0 where they block the rank's thread, gloo on CPU)."""
+
+    tp: float = 1.0
+    ep: float = 1.0
     dp: float = 1.0
     pp: float = 1.0
     source: str = ""
@@ -215,9 +241,12 @@ class Overlap:
     """Context parallel K/V ring exchange hidden behind the attention kernels it feeds
     (Megatron-Core context parallel overlaps each ring step with the attention of the
     previous chunk); 1.0 = fully hideable up to the attention time."""
+    compute_slowdown: float = 0.0
+    """Fraction by which compute slows while a collective runs beside it (they share the SMs /
+    AI cores and HBM): hiding c seconds of communication costs compute_slowdown x c."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "dp", "pp", "cp"):
+        for name in ("tp", "ep", "dp", "pp", "cp", "compute_slowdown"):
             value = getattr(self, name)
             check(0 <= value <= 1, name, f"must be in [0, 1], got {value}", "use a fraction")
 
@@ -260,6 +289,9 @@ class ClusterSpec:
     """Physical cores shared by all ranks (cpu): ranks beyond it share peak."""
     calibration: Optional[dict[str, Any]] = None
     """Filled by `mosaic calibrate`: provenance and fit quality."""
+    ep_dispatch: dict[str, dict[str, EpDispatcherFigures]] = field(default_factory=dict)
+    """Measured figures of the fused MoE dispatchers (FUSED_DISPATCHERS) by fabric level name
+    (`perfmodel.specs.dispatch`); absent: the cluster prices alltoall and allgather only."""
 
     def __post_init__(self) -> None:
         check(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}", "give the device count")
@@ -270,6 +302,13 @@ class ClusterSpec:
                   "order levels innermost first with nested group sizes")
         check(self.framework_overhead_bytes >= 0, "framework_overhead_bytes", "must be >= 0", "give bytes")
         check(self.host_cores is None or self.host_cores >= 1, "host_cores", "must be >= 1", "give the core count")
+        names = [lvl.name for lvl in self.levels]
+        for dispatcher, by_level in self.ep_dispatch.items():
+            check(dispatcher in FUSED_DISPATCHERS, f"ep_dispatch.{dispatcher}", "is not a fused dispatcher",
+                  f"use one of {', '.join(FUSED_DISPATCHERS)}")
+            for level in by_level:
+                check(level in names, f"ep_dispatch.{dispatcher}.{level}", "is not a fabric level of this cluster",
+                      f"use one of {', '.join(names)}")
 
     @property
     def node_devices(self) -> int:
@@ -283,8 +322,12 @@ class ClusterSpec:
         return np.minimum(index, len(self.levels) - 1)
 
     def content_hash(self) -> str:
-        """sha256 of the canonical YAML (what plans record)."""
-        text = yaml.safe_dump(spec_to_dict(self), sort_keys=True)
+        """sha256 of the canonical YAML (what plans record); an empty `ep_dispatch` section is left
+        out, so clusters without one keep the hash they had before the section existed."""
+        data = spec_to_dict(self)
+        if not data.get("ep_dispatch"):
+            data.pop("ep_dispatch", None)
+        text = yaml.safe_dump(data, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def with_devices(self, devices: int) -> ClusterSpec:

@@ -5,6 +5,11 @@ Experts fold onto the dense ranks as in Megatron-Core's MoE parallel folding
 world = tp * cp * pp * dp, and the expert part reuses the same tp * cp * dp
 ranks of each pipeline stage as etp * ep * edp. So ep is carved out of the
 data-parallel ranks, never multiplied onto them.
+
+Two optional groups of fields follow the core ones (`CORE_LAYOUT_FIELDS`):
+- the pipeline split (`SPLIT_FIELDS`): which layers each stage holds, as Megatron-Core's
+  options express it; the rules are `perfmodel.specs.stages`.
+- expert dispatch (`DISPATCH_FIELDS`): the token dispatcher and capacity-factor routing.
 """
 
 from __future__ import annotations
@@ -18,19 +23,37 @@ from typing import Any, Literal, Optional
 import numpy as np
 
 from perfmodel.errors import InputError
+from perfmodel.specs.dispatch import FUSED_DISPATCHERS
+from perfmodel.specs.protocols import rows_of
+from perfmodel.specs.stages import parse_pp_layout
 from perfmodel.specs.strict import check, from_mapping
 
 DP_FLAVORS = ("ddp", "zero1", "fsdp")
 RECOMPUTE_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8")
-LAYOUT_FIELDS = (
+OVERLAP_FIELDS = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap")
+"""Communication overlaps the frameworks expose as switches (Megatron-Core names)."""
+DISPATCHERS = ("alltoall", "allgather") + FUSED_DISPATCHERS
+"""MoE token dispatchers: Megatron-Core's alltoall and allgather dispatchers, and its flex
+dispatcher with the DeepEP or HybridEP fused dispatch/combine kernels."""
+CORE_LAYOUT_FIELDS = (
     "tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_flavor", "mbs", "gbs",
     "recompute", "sequence_parallel", "precision",
 )
+SPLIT_FIELDS = ("first_stage_layers", "last_stage_layers", "account_embedding", "account_loss", "pp_layout",
+                "balanced_split")
+DISPATCH_FIELDS = ("dispatcher", "capacity_factor", "pad_to_capacity")
+LAYOUT_FIELDS = CORE_LAYOUT_FIELDS + OVERLAP_FIELDS + SPLIT_FIELDS + DISPATCH_FIELDS
+OPTIONAL_LAYOUT_FIELDS = OVERLAP_FIELDS + SPLIT_FIELDS + DISPATCH_FIELDS
+"""Fields with a default that a runs CSV, a layout string or a plan may leave out."""
+BOOL_FIELDS = ("sequence_parallel",) + OVERLAP_FIELDS + ("account_embedding", "account_loss", "balanced_split",
+                                                       "pad_to_capacity")
+"""The true/false layout fields."""
 
 DpFlavor = Literal["ddp", "zero1", "fsdp"]
 Recompute = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "mxfp8"]
+Dispatcher = Literal["alltoall", "allgather", "deepep", "hybridep"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +86,40 @@ class ParallelLayout:
     """Megatron sequence parallel (norm/dropout activations split over tp)."""
     precision: Precision = "bf16"
     """Training compute precision (weights kept in master fp32 by the optimizer)."""
+    overlap_grad_reduce: bool = False
+    """DDP / ZeRO-1: reduce gradient buckets during the backward pass (Megatron-Core
+    `--overlap-grad-reduce`, off by default); off: after it. FSDP always overlaps (prefetch)."""
+    overlap_param_gather: bool = False
+    """ZeRO-1: all-gather the updated parameters during the next forward (`--overlap-param-gather`,
+    off by default)."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel all-gathers / reduce-scatters overlapped with their GEMMs (Transformer
+    Engine userbuffers, `--tp-comm-overlap`; needs sequence parallel)."""
+    ep_comm_overlap: bool = False
+    """Expert-parallel all-to-alls overlapped with another micro-batch's compute
+    (`--overlap-moe-expert-parallel-comm`)."""
+    # --- pipeline split (SPLIT_FIELDS; rules: perfmodel.specs.stages) ---
+    first_stage_layers: Optional[int] = None
+    """Layers of the first pipeline rank over all its vpp chunks (Megatron
+    --decoder-first-pipeline-num-layers); None = as the middle ranks."""
+    last_stage_layers: Optional[int] = None
+    """Layers of the last pipeline rank (--decoder-last-pipeline-num-layers)."""
+    account_embedding: bool = False
+    """The embedding counts as one layer in the split (--account-for-embedding-in-pipeline-split)."""
+    account_loss: bool = False
+    """The loss counts as one layer in the split (--account-for-loss-in-pipeline-split)."""
+    pp_layout: Optional[str] = None
+    """Megatron's --pipeline-model-parallel-layout string, e.g. "Et*4|(t*4|)*14tmL" (pp*vpp stages)."""
+    balanced_split: bool = False
+    """The balanced split (embedding and loss a layer each) even where pp*vpp divides n_layers;
+    a layer count pp*vpp does not divide gets it without asking."""
+    # --- expert dispatch (DISPATCH_FIELDS) ---
+    dispatcher: Dispatcher = "alltoall"
+    """MoE token dispatcher: alltoall, allgather, or the fused deepep / hybridep kernels."""
+    capacity_factor: Optional[float] = None
+    """Expert capacity as a multiple of the mean load (tokens beyond it are dropped); None = dropless."""
+    pad_to_capacity: bool = False
+    """Pad every expert's input to its capacity (--moe-pad-expert-input-to-capacity)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "ep", "etp", "cp", "mbs"):
@@ -74,6 +131,38 @@ class ParallelLayout:
         check(self.dp_flavor in DP_FLAVORS, "dp_flavor", f"{self.dp_flavor!r} is unknown", f"use one of {', '.join(DP_FLAVORS)}")
         check(self.recompute in RECOMPUTE_MODES, "recompute", f"{self.recompute!r} is unknown", f"use one of {', '.join(RECOMPUTE_MODES)}")
         check(self.precision in PRECISIONS, "precision", f"{self.precision!r} is unknown", f"use one of {', '.join(PRECISIONS)}")
+        self._check_split()
+        check(self.dispatcher in DISPATCHERS, "dispatcher", f"{self.dispatcher!r} is unknown",
+              f"use one of {', '.join(DISPATCHERS)}")
+        check(self.capacity_factor is None or self.capacity_factor > 0, "capacity_factor",
+              f"must be > 0, got {self.capacity_factor}", "give e.g. 1.25, or leave it out for dropless routing")
+        check(not self.pad_to_capacity or self.capacity_factor is not None, "pad_to_capacity",
+              "needs capacity_factor (the padding target)", "set capacity_factor, e.g. 1.0, or drop pad_to_capacity")
+        check(not (self.pad_to_capacity and self.dispatcher == "deepep"), "pad_to_capacity",
+              "is not supported by the deepep dispatcher (Megatron-Core's rule)", "use hybridep or alltoall to pad")
+
+    def _check_split(self) -> None:
+        """The split options exclude each other as Megatron-Core's do, and need a pipeline."""
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            check(value is None or value >= 0, name, f"must be >= 0, got {value}", "give a layer count or leave it out")
+        explicit = [name for name in SPLIT_FIELDS if getattr(self, name) not in (None, False)]
+        check(not explicit or self.pp > 1, explicit[0] if explicit else "pp", "splits a pipeline but pp=1",
+              "set pp > 1 or remove it")
+        if self.pp_layout is not None:
+            others = [name for name in explicit if name != "pp_layout"]
+            check(not others, "pp_layout", f"excludes {', '.join(others)} (the string gives every stage)",
+                  "keep one way of splitting")
+            stages = len(parse_pp_layout(self.pp_layout))
+            check(stages == self.pp * self.vpp, "pp_layout",
+                  f"{self.pp_layout!r} has {stages} stages but pp*vpp={self.pp}*{self.vpp}={self.pp * self.vpp}",
+                  "give one '|'-separated stage per virtual stage, or change pp/vpp")
+        firstlast = [n for n in ("first_stage_layers", "last_stage_layers") if getattr(self, n) is not None]
+        account = [n for n in ("account_embedding", "account_loss") if getattr(self, n)]
+        check(not (firstlast and account), firstlast[0] if firstlast else "account_embedding",
+              f"excludes {', '.join(account)} (Megatron-Core's rule)", "keep one way of splitting")
+        check(not (self.balanced_split and (firstlast or account)), "balanced_split",
+              f"excludes {', '.join(firstlast + account)}", "keep one way of splitting")
 
     @property
     def model_parallel(self) -> int:
@@ -126,14 +215,32 @@ class ParallelLayout:
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(self.precision)
+        overlaps = [short for name, short in zip(OVERLAP_FIELDS, ("grad", "param", "tp", "ep")) if getattr(self, name)]
+        if overlaps:
+            parts.append("ov=" + "+".join(overlaps))
+        if self.pp_layout:
+            parts.append(f"split={self.pp_layout}")
+        elif self.first_stage_layers is not None or self.last_stage_layers is not None:
+            parts.append(f"split={self.first_stage_layers if self.first_stage_layers is not None else '-'}/"
+                         f"{self.last_stage_layers if self.last_stage_layers is not None else '-'}")
+        elif self.account_embedding or self.account_loss:
+            parts.append("split=" + "+".join(x for x, on in (("E", self.account_embedding), ("L", self.account_loss))
+                                             if on))
+        elif self.balanced_split:
+            parts.append("split=balanced")
+        if self.dispatcher != "alltoall":
+            parts.append(self.dispatcher)
+        if self.capacity_factor is not None:
+            parts.append(f"cf{self.capacity_factor:g}" + ("pad" if self.pad_to_capacity else ""))
         return " ".join(parts)
 
     def to_string(self) -> str:
-        """Compact form, every field named (inverse of `parse_layout`)."""
+        """Compact form, every core field named and the optional ones when not at their default
+        (inverse of `parse_layout`)."""
         parts = []
         for name in LAYOUT_FIELDS:
             value = getattr(self, name)
-            if value is None:
+            if value is None or (name in OPTIONAL_LAYOUT_FIELDS and value == _OPTIONAL_DEFAULTS[name]):
                 continue
             parts.append(f"{name}={str(value).lower() if isinstance(value, bool) else value}")
         return ",".join(parts)
@@ -171,6 +278,7 @@ def gbs_holding_tokens(mbs: Any, dp: Any, seq_len: Any, tokens: float) -> np.nda
     return (np.maximum(1, np.ceil(want / unit)) * unit).astype(np.int64)
 
 
+_OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelLayout) if f.name in OPTIONAL_LAYOUT_FIELDS}
 _ALIASES = {"sp": "sequence_parallel", "dp_type": "dp_flavor", "flavor": "dp_flavor"}
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -179,11 +287,15 @@ _FALSE = {"false", "0", "no", "off"}
 def parse_layout(text: str, devices: Optional[int] = None) -> ParallelLayout:
     """Parse ``"tp=8,pp=8,vpp=3,mbs=1,gbs=64,recompute=full"``.
 
-    Unnamed fields take their defaults; with `devices`, dp (and gbs) are resolved.
+    Unnamed fields take their defaults; with `devices`, dp (and gbs) are resolved. Items without
+    "=" right after `pp_layout` continue it (Megatron's layout strings may hold commas).
     """
     values: dict[str, Any] = {}
     text = text.strip()
     for item in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in item and "pp_layout" in values and list(values)[-1] == "pp_layout":
+            values["pp_layout"] += "," + item  # Megatron's cosmetic commas inside a layout string
+            continue
         if "=" not in item:
             raise InputError(f"layout '{text}': '{item}' is not key=value; write e.g. 'tp=8,pp=2'")
         key, raw = (s.strip() for s in item.split("=", 1))
@@ -192,9 +304,9 @@ def parse_layout(text: str, devices: Optional[int] = None) -> ParallelLayout:
             close = difflib.get_close_matches(key, LAYOUT_FIELDS, n=1)
             fix = f"did you mean '{close[0]}'?" if close else "keys: " + ", ".join(LAYOUT_FIELDS)
             raise InputError(f"layout: unknown key '{key}'; {fix}")
-        if key == "sequence_parallel":
+        if key in BOOL_FIELDS:
             if raw.lower() not in _TRUE | _FALSE:
-                raise InputError(f"layout: key 'sequence_parallel': {raw!r} is not true/false")
+                raise InputError(f"layout: key '{key}': {raw!r} is not true/false")
             values[key] = raw.lower() in _TRUE
         else:
             values[key] = raw
@@ -209,7 +321,12 @@ def parse_layout(text: str, devices: Optional[int] = None) -> ParallelLayout:
 class LayoutBatch:
     """Column-wise numpy arrays of resolved layouts; categorical fields as codes.
 
-    dp_flavor indexes DP_FLAVORS, recompute RECOMPUTE_MODES, precision PRECISIONS.
+    dp_flavor indexes DP_FLAVORS, recompute RECOMPUTE_MODES, precision PRECISIONS, dispatcher
+    DISPATCHERS. The optional fields (OPTIONAL_LAYOUT_FIELDS) may be left out (None: every row
+    at its default); None entries are -1 (first/last_stage_layers) or 0 (capacity_factor).
+    `pp_layout` keeps the strings (object array; None where not given), `stage_layers` their
+    per-virtual-stage layer counts ((n, max stages), -1 padded) and `stage_mtp` their MTP
+    count (-1 where no string) for the formulas (`perfmodel.specs.stages`).
     """
 
     tp: np.ndarray
@@ -225,13 +342,44 @@ class LayoutBatch:
     recompute: np.ndarray
     sequence_parallel: np.ndarray
     precision: np.ndarray
+    overlap_grad_reduce: Optional[np.ndarray] = None
+    overlap_param_gather: Optional[np.ndarray] = None
+    tp_comm_overlap: Optional[np.ndarray] = None
+    ep_comm_overlap: Optional[np.ndarray] = None
+    first_stage_layers: Optional[np.ndarray] = None
+    last_stage_layers: Optional[np.ndarray] = None
+    account_embedding: Optional[np.ndarray] = None
+    account_loss: Optional[np.ndarray] = None
+    pp_layout: Optional[np.ndarray] = None
+    balanced_split: Optional[np.ndarray] = None
+    dispatcher: Optional[np.ndarray] = None
+    capacity_factor: Optional[np.ndarray] = None
+    pad_to_capacity: Optional[np.ndarray] = None
+    stage_layers: Optional[np.ndarray] = None
+    stage_mtp: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        n = np.shape(self.tp)
+        defaults = {**{name: (False, bool) for name in OVERLAP_FIELDS}, "first_stage_layers": (-1, np.int64), "last_stage_layers": (-1, np.int64),
+                    "account_embedding": (False, bool), "account_loss": (False, bool),
+                    "balanced_split": (False, bool), "dispatcher": (0, np.int64), "capacity_factor": (0.0, float),
+                    "pad_to_capacity": (False, bool)}
+        for name, (value, dtype) in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.full(n, value, dtype=dtype))
+        if self.pp_layout is None:
+            object.__setattr__(self, "pp_layout", np.full(n, None, dtype=object))
+        if self.stage_layers is None or self.stage_mtp is None:
+            layers, mtp = _layout_string_columns(np.asarray(self.pp_layout, dtype=object).reshape(-1))
+            object.__setattr__(self, "stage_layers", layers.reshape(n + layers.shape[1:]))
+            object.__setattr__(self, "stage_mtp", mtp.reshape(n))
 
     @staticmethod
     def stack(layouts: Sequence[ParallelLayout]) -> LayoutBatch:
         cols: dict[str, np.ndarray] = {}
         for name in LAYOUT_FIELDS:
             values = [getattr(lay, name) for lay in layouts]
-            if any(v is None for v in values):
+            if name in CORE_LAYOUT_FIELDS and any(v is None for v in values):
                 raise InputError(f"layout: key '{name}' is not resolved; call resolve(devices) first")
             if name == "dp_flavor":
                 cols[name] = np.asarray([DP_FLAVORS.index(v) for v in values], dtype=np.int64)
@@ -239,8 +387,16 @@ class LayoutBatch:
                 cols[name] = np.asarray([RECOMPUTE_MODES.index(v) for v in values], dtype=np.int64)
             elif name == "precision":
                 cols[name] = np.asarray([PRECISIONS.index(v) for v in values], dtype=np.int64)
-            elif name == "sequence_parallel":
+            elif name == "dispatcher":
+                cols[name] = np.asarray([DISPATCHERS.index(v) for v in values], dtype=np.int64)
+            elif name in BOOL_FIELDS:
                 cols[name] = np.asarray(values, dtype=bool)
+            elif name == "pp_layout":
+                cols[name] = np.asarray(values + [None], dtype=object)[:-1]  # 1-D even when all are None
+            elif name == "capacity_factor":
+                cols[name] = np.asarray([0.0 if v is None else v for v in values], dtype=float)
+            elif name in ("first_stage_layers", "last_stage_layers"):
+                cols[name] = np.asarray([-1 if v is None else v for v in values], dtype=np.int64)
             else:
                 cols[name] = np.asarray(values, dtype=np.int64)
         return LayoutBatch(**cols)
@@ -249,11 +405,49 @@ class LayoutBatch:
         return int(np.size(self.tp))
 
     def row(self, i: int) -> ParallelLayout:
-        values: dict[str, Any] = {name: getattr(self, name)[i].item() for name in LAYOUT_FIELDS}
+        values: dict[str, Any] = {}
+        for name in LAYOUT_FIELDS:
+            value = np.asarray(getattr(self, name))[i]
+            values[name] = value.item() if isinstance(value, np.generic) else value
         values["dp_flavor"] = DP_FLAVORS[values["dp_flavor"]]
         values["recompute"] = RECOMPUTE_MODES[values["recompute"]]
         values["precision"] = PRECISIONS[values["precision"]]
+        values["dispatcher"] = DISPATCHERS[values["dispatcher"]]
+        for name in ("first_stage_layers", "last_stage_layers"):
+            values[name] = None if values[name] < 0 else values[name]
+        values["capacity_factor"] = None if values["capacity_factor"] <= 0 else values["capacity_factor"]
         return ParallelLayout(**values)
 
+    def key_columns(self, fields: Sequence[str]) -> np.ndarray:
+        """(n, len(fields)) int64 keys of the rows (equal rows, equal keys): codes as they are,
+        floats by their bits, layout strings by their index among the distinct strings."""
+        cols = []
+        for name in fields:
+            values = np.asarray(getattr(self, name))
+            if values.dtype == object:
+                _, codes = np.unique(np.asarray([str(v) for v in values.ravel()]), return_inverse=True)
+                cols.append(codes.ravel().astype(np.int64))
+            elif values.dtype.kind == "f":
+                cols.append(np.ascontiguousarray(values, dtype=float).view(np.int64))
+            else:
+                cols.append(values.astype(np.int64))
+        return np.stack(cols, axis=1) if cols else np.zeros((len(self), 0), dtype=np.int64)
+
     def take(self, index: Any) -> LayoutBatch:
-        return LayoutBatch(**{name: np.asarray(getattr(self, name))[index] for name in LAYOUT_FIELDS})
+        return LayoutBatch(**{name: rows_of(getattr(self, name), index)
+                              for name in LAYOUT_FIELDS + ("stage_layers", "stage_mtp")})
+
+
+def _layout_string_columns(strings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(per-virtual-stage layer counts, -1 padded; MTP count, -1 where no string) of layout strings."""
+    from perfmodel.specs.stages import pp_layout_counts
+
+    parsed = [None if s is None else pp_layout_counts(str(s)) for s in strings]
+    width = max([len(p[0]) for p in parsed if p is not None], default=1)
+    layers = np.full((len(strings), width), -1, dtype=np.int64)
+    mtp = np.full(len(strings), -1, dtype=np.int64)
+    for i, p in enumerate(parsed):
+        if p is not None:
+            layers[i, :len(p[0])] = p[0]
+            mtp[i] = p[1]
+    return layers, mtp

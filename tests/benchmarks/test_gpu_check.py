@@ -58,7 +58,7 @@ def test_dry_run_leaves_what_the_device_tool_brings_back(dry_run):
     _, out = dry_run
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(["summary.json", "step_time.png", "kernels.png", "memory.png", "calibrated.yaml",
-                            "calibrated.measurements.csv", "refit.yaml", "gpu_check.tar.gz"])
+                            "calibrated.kernels.tar.gz", "refit.yaml", "gpu_check.tar.gz"])
     assert len(files) <= gpu_check.RETURN_LIMITS["files"]
     assert all((out / f).stat().st_size < gpu_check.RETURN_LIMITS["file_bytes"] for f in files)
     for png in ("step_time.png", "kernels.png", "memory.png"):
@@ -70,6 +70,67 @@ def test_dry_run_leaves_what_the_device_tool_brings_back(dry_run):
         assert f"gpu_check/runs/{config}/checkpoints" not in names  # --no-checkpoint
         assert f"gpu_check/predictions/calibrated_{config}.json" in names
     assert {"gpu_check/report/report.md", "gpu_check/logs/calibrate.log", "gpu_check/logs/gpu_check.log"} <= names
+    # the calibration's tables, in the archive and as one file that unpacks beside calibrated.yaml
+    with tarfile.open(out / "calibrated.kernels.tar.gz") as tar:
+        returned = {name: tar.extractfile(name).read() for name in tar.getnames() if tar.getmember(name).isfile()}
+    kinds = {"gemm.csv", "grouped_gemm.csv", "attention.csv", "memory_kernels.csv", "host.csv", "provenance.yaml"}
+    assert {f"calibrated.kernels/{name}" for name in kinds} <= set(returned)
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        for name, data in returned.items():
+            assert tar.extractfile(f"gpu_check/{name}").read() == data
+
+
+def test_dry_run_kernel_rows_are_scored_by_the_check_of_the_bundled_tables(dry_run, tmp_path):
+    """Every used row of the calibration's tables, one at a time, against the bundled and the
+    calibrated cluster: the errors perfmodel.kernels.check gives the whole tables, the medians of them."""
+    import numpy as np
+
+    from calibration.tables import read_folder
+    from perfmodel.clusters import load_cluster
+    from perfmodel.kernels.check import cluster_spans, table_errors
+
+    _, out = dry_run
+    summary = json.loads((out / "summary.json").read_text())
+    kernels = summary["kernels"]
+    assert kernels["status"] == "ok" and kernels["bundled"] == "cpu_local" and kernels["clusters"] == ["bundled", "calibrated"]
+    with tarfile.open(out / "calibrated.kernels.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    measured = read_folder(tmp_path / "calibrated.kernels")
+    assert kernels["accelerator"] == measured.accelerator == "cpu_local_calibrated"
+    clusters = {"bundled": load_cluster("cpu_local"), "calibrated": load_cluster(str(out / "calibrated.yaml"))}
+    points = kernels["points"]
+    for label, cluster in clusters.items():
+        whole = table_errors(cluster, measured.tables, measured.accelerator, cluster_spans(cluster))
+        for kind in ("gemm", "grouped_gemm", "attention", "memory_kernels"):
+            assert len(whole[kind]) > 0, (label, kind)
+            mine = [p[f"error_{label}"] for p in points if p["kind"] == kind and p[f"error_{label}"] is not None]
+            assert sorted(mine) == pytest.approx(sorted(whole[kind].tolist()), rel=1e-12, abs=1e-12), (label, kind)
+    for kind in ("gemm", "grouped_gemm", "attention", "memory_kernels"):  # every used row is a point
+        rows = measured.rows(kind).rows_of(measured.accelerator)
+        assert sorted(p["line"] for p in points if p["kind"] == kind) == sorted(rows.line.tolist())
+    for key, row in kernels["table"].items():
+        group = [p for p in points if f"{p['kind']} {p['group']}" == key]
+        assert row["rows"] == len(group) > 0
+        for label in clusters:
+            errors = [p[f"error_{label}"] for p in group if p[f"error_{label}"] is not None]
+            assert row[f"scored_{label}"] == len(errors)
+            assert row[f"median_abs_error_{label}"] == pytest.approx(float(np.median(np.abs(errors))))
+            for p in group:
+                if p[f"error_{label}"] is not None:
+                    assert p[f"predicted_{label}"] == pytest.approx(p["measured"] * (1 + p[f"error_{label}"]))
+    assert kernels["table"]["gemm fp32"]["rows"] > 0
+    peak_fp32 = clusters["bundled"].accelerator.peak("fp32")
+    gemm = measured.rows("gemm").rows_of(measured.accelerator)
+    tflops = dict(zip(gemm.line.tolist(), gemm["tflops"].tolist()))
+    for point in (p for p in points if p["kind"] == "gemm" and p["group"] == "fp32"):
+        assert point["measured"] == pytest.approx(tflops[point["line"]] * 1e12)
+        assert point["fraction_of_peak"] == pytest.approx(point["measured"] / peak_fp32)
+    # the host figures: the calibrated cluster takes what host.csv measured; the bundled one its own
+    assert set(kernels["host"]) == set(measured.host) and "launch_latency_s" in measured.host
+    for figure, row in kernels["host"].items():
+        assert row["measured_s"] == measured.host[figure].seconds
+        assert row["calibrated_s"] == pytest.approx(measured.host[figure].seconds, rel=1e-3)
+        assert row["bundled_s"] == getattr(clusters["bundled"].accelerator, figure)
 
 
 def test_dry_run_phases_and_the_fp8_refusal_come_from_the_commands(dry_run):
@@ -110,13 +171,24 @@ def test_dry_run_figures_are_the_runs_and_predictions_they_name(dry_run, tmp_pat
         assert e["predicted_calibrated_s"] == pytest.approx(refit_rows[name]["predicted_before_s"], rel=1e-3)
         assert e["predicted_refit_s"] == pytest.approx(refit_rows[name]["predicted_after_s"], rel=1e-3)
         assert e["memory"] == pytest.approx(e["memory_predicted_bytes"] / run["peak_memory_bytes"] - 1)
-    kernels = summary["kernels"]
-    assert kernels["status"] == "ok" and kernels["table"]["gemm fp32"]["points"] > 0
-    peak = json.loads(subprocess.run([sys.executable, "-m", "mosaic.cli.app", "show-cluster", "cpu_local", "--json"],
-                                     capture_output=True, text=True, check=True, cwd=REPO).stdout)
-    peak_fp32 = peak["accelerator"]["peak_flops_per_s"]["fp32"]
-    for point in (p for p in kernels["points"] if p["kind"] == "gemm" and p["precision"] == "fp32"):
-        assert point["efficiency_measured"] == pytest.approx(point["rate"] / peak_fp32)
+
+
+def test_a_returned_calibration_is_reused_with_its_tables(dry_run, tmp_path):
+    """--calibrated OUT/calibrated.yaml finds the tables in the archive beside it (or the folder
+    mosaic calibrate wrote), so the kernel comparison of a rerun has its rows."""
+    _, out = dry_run
+    target = tmp_path / "work" / "calibrated.kernels"
+    target.parent.mkdir()
+    gpu_check._tables_given(out / "calibrated.yaml", target)
+    with tarfile.open(out / "calibrated.kernels.tar.gz") as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert sorted(p.name for p in target.iterdir()) == sorted(names)
+    again = tmp_path / "again" / "calibrated.kernels"
+    again.parent.mkdir()
+    gpu_check._tables_given(target.with_name("calibrated.yaml"), again)  # the folder beside it
+    assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in target.iterdir()}
+    gpu_check._tables_given(tmp_path / "none.yaml", tmp_path / "none.kernels")
+    assert not (tmp_path / "none.kernels").exists()
 
 
 def test_a_phase_over_its_time_is_stopped_with_its_process_group(tmp_path):
@@ -206,6 +278,8 @@ def test_tables_print_the_summary_as_markdown_for_the_validation_page(dry_run, c
     summary = json.loads((out / "summary.json").read_text())
     tables = [block.splitlines() for block in capsys.readouterr().out.split("\n\n") if block.startswith("|")]
     assert len(tables) == 4  # kernels, trainer, errors, targets
+    kernels = summary["kernels"]
+    assert [row.split(" | ")[0][2:] for row in tables[0][2:]] == [*kernels["table"], *(f"host {f}" for f in kernels["host"])]
     for table in tables:  # every row has its header's columns (no stray '|' inside a cell)
         assert {row.count("|") for row in table} == {table[0].count("|")}, table
     for name, run in summary["runs"].items():
@@ -245,7 +319,9 @@ def test_a_gpu_the_device_rule_refuses_is_calibrated_on_h200_and_the_refusal_kep
             return gpu_check.Outcome("refused", 3.0, 2, "error: no bundled cluster for 'NVIDIA H200 NVL'; give --cluster")
         output = Path(command[command.index("-o") + 1])
         output.write_text("version: 1\n")
-        output.with_name(f"{output.stem}.measurements.csv").write_text("kind\n")
+        tables = output.with_name(f"{output.stem}.kernels")
+        tables.mkdir()
+        (tables / "gemm.csv").write_text("accelerator\n")
         return gpu_check.Outcome("ok", 40.0, 0, "", json.dumps({"output": str(output)}))
 
     monkeypatch.setattr(gpu_check, "run_command", fake)
@@ -255,7 +331,9 @@ def test_a_gpu_the_device_rule_refuses_is_calibrated_on_h200_and_the_refusal_kep
     assert "--device" in commands[0] and commands[0][commands[0].index("--device") + 1] == "cuda"
     phases = check.summary["phases"]
     assert phases["calibrate"]["status"] == "refused" and phases["calibrate (--cluster h200)"]["status"] == "ok"
-    assert (tmp_path / "calibrated.yaml").is_file() and (tmp_path / "calibrated.measurements.csv").is_file()
+    assert (tmp_path / "calibrated.yaml").is_file()
+    with tarfile.open(tmp_path / "calibrated.kernels.tar.gz") as tar:
+        assert tar.getnames() == ["calibrated.kernels", "calibrated.kernels/gemm.csv"]
     assert check.incomplete() == []
 
 

@@ -25,7 +25,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     report = folder / "report"
     result = CliRunner().invoke(app, ["calibrate", "--quick", "--device", "cpu", "--nproc", "2", "--cluster",
                                       base_cluster(), "-o", str(output), "--report", str(report)])
-    return {"result": result, "output": output, "csv": folder / "calibrated.measurements.csv", "report": report,
+    return {"result": result, "output": output, "tables": folder / "calibrated.kernels", "report": report,
             "folder": folder}
 
 
@@ -38,10 +38,11 @@ def calibrated(quick_run: dict):
 
 
 @pytest.fixture(scope="session")
-def rows(quick_run: dict):
-    from calibration.measurements import read_csv
+def measured(quick_run: dict):
+    """The run's kernel tables, read back (calibration.tables.MeasuredTables)."""
+    from calibration.tables import read_folder
 
     assert quick_run["result"].exit_code == 0, quick_run["result"].output
-    return read_csv(quick_run["csv"])
+    return read_folder(quick_run["tables"])
 
 

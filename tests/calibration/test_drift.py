@@ -15,9 +15,13 @@ from perfmodel.errors import MosaicRuntimeError
 def test_drift_probes_replace_the_host_figures_and_scale_the_rest(tmp_path: Path) -> None:
     from perfmodel.clusters import load_cluster
 
-    base = load_cluster("cpu_local").accelerator
-    flops = 2.0 * drift.PROBE_GEMM_SIZE ** 3
-    calibrated_rate = base.peak("fp32") * float(base.compute_curve("fp32")(flops))
+    cluster = load_cluster("cpu_local")
+    base = cluster.accelerator
+    calibrated_rate = drift.calibrated_gemm_flops_per_s(cluster)
+    n = drift.PROBE_GEMM_SIZE
+    g = base.kernels.gemm["fp32"]
+    assert calibrated_rate == pytest.approx(base.peak("fp32") * g.e_max * (n / (n + g.m_half)) * (n / (n + g.n_half))
+                                            * (n / (n + g.k_half)))
     # the means: per-op costs twice the calibrated, GEMM rate half (the medians: 1.5x and 1/4)
     probes = [HostProbe(launch_latency_s=base.launch_latency_s * r, dtensor_op_latency_s=1e-4 * r,
                         gemm_flops_per_s=calibrated_rate * g) for r, g in ((1.0, 0.25), (1.5, 0.25), (3.5, 1.0))]
@@ -28,9 +32,18 @@ def test_drift_probes_replace_the_host_figures_and_scale_the_rest(tmp_path: Path
     assert used.dtensor_op_latency_s == pytest.approx(2e-4, rel=1e-3)
     assert used.checkpoint_region_latency_s == pytest.approx(2 * base.checkpoint_region_latency_s, rel=1e-3)
     assert used.checkpoint_saved_tensor_latency_s == pytest.approx(2 * base.checkpoint_saved_tensor_latency_s, rel=1e-3)
-    assert used.compute_efficiency["fp32"].values == pytest.approx(
-        [v / 2 for v in base.compute_efficiency["fp32"].values], rel=1e-3)
-    assert used.compute_efficiency["bf16"].values == base.compute_efficiency["bf16"].values  # not probed
+    # the fp32 compute figures follow the GEMM's drift (half the rate), halves unchanged; bf16 was not probed
+    fp32, bf16 = used.kernels, base.kernels
+    assert fp32.gemm["fp32"].e_max == pytest.approx(bf16.gemm["fp32"].e_max / 2, rel=1e-3)
+    assert fp32.gemm["fp32"].m_half == bf16.gemm["fp32"].m_half
+    for phase in ("fwd", "dgrad", "wgrad"):
+        assert fp32.grouped_gemm["fp32"].phase(phase).e_max == pytest.approx(
+            bf16.grouped_gemm["fp32"].phase(phase).e_max / 2, rel=1e-3)
+    assert fp32.attention["fp32"].fwd_e_max == pytest.approx(bf16.attention["fp32"].fwd_e_max / 2, rel=1e-3)
+    assert fp32.attention["fp32"].bwd_e_max == pytest.approx(bf16.attention["fp32"].bwd_e_max / 2, rel=1e-3)
+    assert fp32.gemm["bf16"] == bf16.gemm["bf16"] and fp32.attention["bf16"] == bf16.attention["bf16"]
+    assert "drift" in fp32.gemm["fp32"].source
+    assert drift.calibrated_gemm_flops_per_s(load_cluster(str(out))) == pytest.approx(calibrated_rate / 2, rel=1e-3)
     assert "drift probes" in used.sources["dtensor_op_latency_s"]
 
 
@@ -88,8 +101,8 @@ def test_calibrations_before_and_after_the_runs_merge_by_geometric_mean(tmp_path
     merged = load_cluster(str(drift.bracketed_cluster(tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "m.yaml")))
     assert merged.accelerator.launch_latency_s == pytest.approx(2 * before["accelerator"]["launch_latency_s"], rel=1e-3)
     assert merged.levels[0].latency_s == pytest.approx(before["levels"][0]["latency_s"] / 2, rel=1e-3)
-    assert merged.accelerator.compute_efficiency["fp32"].values == pytest.approx(
-        before["accelerator"]["compute_efficiency"]["fp32"]["values"])
+    assert merged.accelerator.kernels == load_cluster("cpu_local").accelerator.kernels  # the same figures: kept
+    assert merge({"rows": 29, "e_max": 0.5}, {"rows": 27, "e_max": 0.8})["rows"] == 29  # counts are not figures
     assert "geometric mean" in merged.calibration["bracketed"]
 
 

@@ -34,11 +34,12 @@ def test_a_dying_rank_ends_the_cli_run_with_a_clear_error_and_keeps_measurements
     message = " ".join(result.output.split())
     assert "error:" in message and "rank" in message and "measurements kept" in message
     assert not output.exists()  # no profile from a broken run
-    from calibration.measurements import read_csv
+    from calibration.tables import read_folder
 
-    rows = read_csv(tmp_path / "cal.measurements.csv")
-    kinds = {r.kind for r in rows}
-    assert "gemm" in kinds and "all_reduce" in kinds  # kernels and the collectives measured before the failure
+    kept = read_folder(tmp_path / "cal.kernels")
+    assert str(tmp_path / "cal.kernels") in message
+    assert len(kept.rows("gemm")) and len(kept.rows("attention"))  # the kernels measured before the failure
+    assert "all_reduce" in set(kept.rows("collectives")["collective"])  # and the collectives
     assert (tmp_path / "cal.collectives.log").exists()
 
 

@@ -88,6 +88,19 @@ def test_refit_recovers_known_factors_and_reduces_mape(synthetic_runs, tmp_path)
     section = refit.calibration["from_runs"]
     assert section["runs"] == len(LAYOUTS) and set(section["mape"]) == {"before", "after_in_sample", "after_leave_one_run_out"}
     assert refit.accelerator.launch_latency_s == pytest.approx(result.factors["launch_latency_s"], rel=1e-3)
+    # the efficiency scale acts on every kernel figure (e_max and memory fractions), as written
+    scale, base = result.factors["efficiency_scale"], load_cluster(base_cluster()).accelerator.kernels
+    written = refit.accelerator.kernels
+    for precision, figure in base.gemm.items():
+        assert written.gemm[precision].e_max == pytest.approx(min(1.0, figure.e_max * scale), rel=1e-3)
+        assert written.gemm[precision].m_half == figure.m_half and "from-runs" in written.gemm[precision].source
+        for phase in ("fwd", "dgrad", "wgrad"):
+            assert written.grouped_gemm[precision].phase(phase).e_max == pytest.approx(
+                min(1.0, base.grouped_gemm[precision].phase(phase).e_max * scale), rel=1e-3)
+    for precision, figure in base.attention.items():
+        assert written.attention[precision].bwd_e_max == pytest.approx(min(1.0, figure.bwd_e_max * scale), rel=1e-3)
+    for cls, fraction in base.memory.fraction.items():
+        assert written.memory.fraction[cls] == pytest.approx(min(1.5, fraction * scale), rel=1e-3)
     assert "from-runs" in refit.accelerator.sources["launch_latency_s"]
     assert "straggler_cv" in result.fixed  # one host: the straggler factor cannot be seen, and is not fitted
 

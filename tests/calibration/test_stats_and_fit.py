@@ -1,11 +1,12 @@
-"""Robust statistics and fits: outliers do not move results beyond their noise; alpha-beta recovers known figures."""
+"""Robust statistics and fits: outliers do not move results beyond their noise; alpha-beta and the
+ceilings recover known figures."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from calibration.fit import AlphaBetaFit, binned_curve, fit_alpha_beta_arrays, fit_efficiency_curve
+from calibration.fit import AlphaBetaFit, fit_alpha_beta_arrays, gemm_ceilings, memory_ceiling
 from calibration.profile import level_figures
 from calibration.stats import outlier_mask, summarize
 
@@ -83,20 +84,43 @@ def test_injected_outlier_does_not_move_alpha_beta_beyond_noise(seed, where):
         assert abs(slope_ols - b) > 2 * b_se
 
 
-def test_efficiency_curve_bins_and_leave_one_out():
-    flops = np.array([1e6, 2e6, 1e7, 3e7, 1e8, 1e9])
-    eff = np.array([0.1, 0.12, 0.4, 0.5, 0.8, 0.9])
-    peak = 1e11
-    fit = fit_efficiency_curve(flops, flops / (peak * eff), peak, "test")
-    assert fit.peak == peak
-    assert all(0 < v <= 1 for v in fit.curve.values)
-    assert list(fit.curve.sizes) == sorted(fit.curve.sizes)
-    assert fit.max_abs_error > 0  # leave-one-out: a point is never predicted by itself
-    best = fit_efficiency_curve(flops, flops / (peak * eff), None, "test")
-    assert best.peak == pytest.approx(0.9 * peak)
-    assert max(best.curve.values) <= 1.0
-    curve = binned_curve([1e3, 1e6], [2.0, 1e-9], "clip")
-    assert curve.values == (1.0, 1e-4)
+def _table(tmp_path, kind, header, rows):
+    from perfmodel.kernels.tables import read_table
+
+    path = tmp_path / f"{kind}.csv"
+    common = "source,hardware,software,note,excluded"
+    path.write_text(",".join(header) + "," + common + "\n" + "".join(
+        ",".join(str(v) for v in row) + ",test,x,y,synthetic,\n" for row in rows))
+    return read_table(kind, path)
+
+
+def test_gemm_ceilings_recover_the_form_that_made_the_rows(tmp_path):
+    """Rows made by the GEMM form at a known ceiling and halves (2% noise): the ceiling is found
+    again whatever trial peak it starts from (the peak is a free scale of the fit)."""
+    import itertools
+
+    from perfmodel.kernels.forms import gemm_efficiency
+
+    rng = np.random.default_rng(0)
+    ceiling, halves = 150e9, (30.0, 50.0, 40.0)
+    rows = []
+    for m, n, k in itertools.product((16, 64, 256), (16, 64, 256), (16, 64, 256)):
+        rate = ceiling * gemm_efficiency(m, n, k, 1.0, *halves) * (1 + 0.02 * rng.standard_normal())
+        rows.append(("acc", "fp32", m, n, k, rate / 1e12))
+    table = _table(tmp_path, "gemm", ("accelerator", "precision", "m", "n", "k", "tflops"), rows)
+    found = gemm_ceilings(table, "acc", hbm_bytes_per_s=1e15, copy_fraction=1.0)
+    assert set(found) == {"fp32"} and found["fp32"] == pytest.approx(ceiling, rel=0.05)
+    assert found["fp32"] > max(r[-1] for r in rows) * 1e12  # above every measured rate: e_max is 1 there
+
+
+def test_memory_ceiling_is_the_copy_asymptote(tmp_path):
+    from perfmodel.kernels.forms import memory_efficiency
+
+    sizes = 4096.0 * 4.0 ** np.arange(6)
+    rows = [("acc", "copy", b, 80.0 * memory_efficiency(b, 1.0, 3e4)) for b in sizes]
+    rows += [("acc", "rmsnorm", b, 80.0 * memory_efficiency(b, 0.3, 3e4)) for b in sizes[::2]]
+    table = _table(tmp_path, "memory_kernels", ("accelerator", "kernel", "bytes_moved", "gbps"), rows)
+    assert memory_ceiling(table, "acc") == pytest.approx(80e9, rel=0.02)
 
 
 def test_level_figures_are_fractions_and_respect_the_datasheet():
@@ -136,6 +160,8 @@ def test_latency_steps_match_perfmodel_comm():
     cluster = load_cluster("h100")
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
         for n in (2, 4, 8):
-            level = dataclasses.replace(cluster.levels[0], latency_s=1e-3 / latency_steps(kind, n))
+            # the level's one step latency (no per-collective or low-latency-protocol figures)
+            level = dataclasses.replace(cluster.levels[0], latency_s=1e-3 / latency_steps(kind, n), collective_latency_s={},
+                                        ll_collective_latency_s={}, ll_collective_efficiency={})
             spec = dataclasses.replace(cluster, levels=(level, *cluster.levels[1:]))
             assert float(collective_time(spec, kind, 1.0, n, 1)) == pytest.approx(1e-3, rel=1e-3), (kind, n)

@@ -78,3 +78,19 @@ def test_plan_with_the_bundled_fit_and_sensitivity(space_file):
         assert 0.0 <= boot["p_beats_runner_up"] <= 1.0 and boot["samples"] == len(fit.bootstrap_params)
     else:
         assert boot["p_beats_runner_up"] is None
+
+
+def test_the_default_output_states_the_decision_under_uncertainty(space_file):
+    """The bundled fit (bootstrap) and the measured errors: the table and --json carry the decision."""
+    args = ["plan", "--cluster", "b200", "--devices", "16", "--days", "2", "--space", space_file, "--top", "3"]
+    res = runner.invoke(app, args + ["--no-progress"])
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.output.split())
+    for text in ("under uncertainty", "P best", "indistinguishable from the nominal best", "P(pick is best)", "rule:"):
+        assert text in flat
+    res = runner.invoke(app, args + ["--json"])
+    payload = json.loads(res.stdout)
+    d = payload["decision"]
+    assert d["available"] and d["pick"] == "robust" and 0.0 <= d["p_chosen_is_best"] <= 1.0
+    assert payload["predicted"]["decision"]["rank"] == d["chosen_rank"]
+    assert all("p_best" in a["predicted"]["decision"] for a in payload["alternatives"])

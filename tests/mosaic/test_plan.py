@@ -198,3 +198,22 @@ def test_choices_carry_the_search_evaluation_of_their_pair(result, monkeypatch):
     monkeypatch.setattr(perfmodel, "evaluate", lambda *a, **k: calls.append(a) or pytest.fail("evaluated again"))
     solve(result.problem, top=3)  # the problem's search is cached: nothing is evaluated again
     assert calls == []
+
+
+def test_the_search_picks_the_split_and_dispatcher_that_run_fastest(law, make_space):
+    """With both pipeline splits and two dispatchers in the space, every geometry's choice is the
+    fastest of its variants: the same layout priced with the other split / dispatcher is no faster."""
+    import perfmodel
+
+    space = make_space(n_layers=(24,), n_experts=(16,), top_k=(2,), granularity=(1.0,), d_model=(2048,))
+    space = space.replace_layout(tp=(1,), pp=(2, 4), ep=(8,), recompute=("none",), dp_flavor=("zero1",),
+                                 pipeline_split=("default", "balanced"), dispatcher=("alltoall", "allgather"))
+    problem = build_problem("h100", devices=64, days=5, fit=law, space=space)
+    assert len(problem.evaluator.grid) == 2 * 2 * 2  # (pp 2, 4) x (default, balanced) x (alltoall, allgather)
+    chosen = solve(problem, top=1).cluster_optimal
+    rate = chosen.predicted["tokens_per_s"]
+    for changes in ({"balanced_split": not chosen.layout.balanced_split},
+                    {"dispatcher": "allgather" if chosen.layout.dispatcher == "alltoall" else "alltoall"}):
+        other = dataclasses.replace(chosen.layout, **changes)
+        result = perfmodel.evaluate(chosen.arch, other, problem.cluster, 64)
+        assert result.tokens_per_s[0] <= rate * (1 + 1e-12)

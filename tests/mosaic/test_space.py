@@ -7,12 +7,15 @@ import pytest
 import yaml
 
 from mosaic.planner.space import (
+    TP_RULES,
     default_space_path,
     geometries,
     layout_grid,
     load_space,
     resolve_space,
+    scale_up_devices,
     space_from_dict,
+    usable_tp,
 )
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import ARCH_FIELDS, active_params
@@ -22,7 +25,7 @@ from perfmodel.specs.layout import RECOMPUTE_MODES, gbs_holding_tokens
 def test_default_space_expands_to_valid_geometries():
     space = load_space()
     c_model = 2.0e23
-    resolved = resolve_space(space, node_devices=16, compute_optimal_flops=c_model)
+    resolved = resolve_space(space, tp_domain_devices=16, compute_optimal_flops=c_model)
     geoms = geometries(resolved)
     archs = geoms.archs
     assert len(geoms) > 100
@@ -41,9 +44,38 @@ def test_default_space_expands_to_valid_geometries():
     assert len(np.unique(rows, axis=0)) == len(rows)  # dense rows collapsed, no duplicates
 
 
+def test_tp_auto_reaches_the_scale_up_domain_where_the_geometries_allow_it():
+    from perfmodel.clusters import load_cluster
+
+    assert {name: scale_up_devices(load_cluster(name)) for name in ("b200", "gb200_nvl72", "ascend_superpod")} == {
+        "b200": 8, "gb200_nvl72": 72, "ascend_superpod": 768}
+    resolved = resolve_space(load_space(), tp_domain_devices=768, compute_optimal_flops=1e23)
+    assert resolved.tp == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    geoms = geometries(resolved)
+    assert usable_tp(resolved, geoms).tp == (1, 2, 4, 8)  # kv_heads 8: tp must divide the KV heads
+    wide = load_space().replace_geometry(kv_heads=16, d_model=(4096, 8192))
+    wide_resolved = resolve_space(wide, tp_domain_devices=768, compute_optimal_flops=1e23)
+    assert usable_tp(wide_resolved, geometries(wide_resolved)).tp == (1, 2, 4, 8, 16)
+
+
+def test_tp_rules_read_only_tp_and_the_geometry():
+    """`usable_tp` evaluates TP_RULES with a layout holding tp alone."""
+    import types
+
+    from perfmodel.validity import RULES
+
+    resolved = resolve_space(load_space(), tp_domain_devices=16, compute_optimal_flops=1e23)
+    geoms = geometries(resolved)
+    names = {name for name, _, _ in RULES}
+    assert set(TP_RULES) <= names
+    for name, rule, _ in RULES:
+        if name in TP_RULES:
+            rule(geoms.archs, types.SimpleNamespace(tp=4))
+
+
 def test_tp_auto_and_sequence_parallel_rule():
-    resolved = resolve_space(load_space(), node_devices=16, compute_optimal_flops=1e23)
-    assert resolved.tp == (1, 2, 4, 8)
+    resolved = resolve_space(load_space(), tp_domain_devices=16, compute_optimal_flops=1e23)
+    assert resolved.tp == (1, 2, 4, 8, 16)
     grid = layout_grid(resolved, devices=768)
     world = grid.tp * grid.cp * grid.pp * grid.dp
     assert np.all(world == 768)
@@ -84,6 +116,40 @@ def test_unknown_key_and_bad_value_name_the_key(tmp_path):
 
 def test_no_layout_divides_devices_is_an_input_error():
     space = load_space().replace_layout(tp=(2,), pp=(2,), cp=(1,))
-    resolved = resolve_space(space, node_devices=8, compute_optimal_flops=1e22)
+    resolved = resolve_space(space, tp_domain_devices=8, compute_optimal_flops=1e22)
     with pytest.raises(InputError, match="divides devices=7"):
         layout_grid(resolved, devices=7)
+
+
+def test_overlap_lists_cross_into_the_grid_and_the_planner_chooses():
+    """Listing [false, true] puts both settings of a switch into the grid; the default space lists
+    every switch both ways (the search keeps the dominant one, tests/mosaic/test_bounds.py)."""
+    one = load_space().replace_layout(overlap_grad_reduce=(True,), overlap_param_gather=(True,),
+                                      tp_comm_overlap=(False,), ep_comm_overlap=(False,))
+    grid = layout_grid(resolve_space(one, tp_domain_devices=8, compute_optimal_flops=1e22), devices=64)
+    assert grid.overlap_grad_reduce.all() and grid.overlap_param_gather.all()
+    assert not grid.tp_comm_overlap.any() and not grid.ep_comm_overlap.any()
+    both = one.replace_layout(overlap_grad_reduce=(False, True), ep_comm_overlap=(False, True))
+    grid2 = layout_grid(resolve_space(both, tp_domain_devices=8, compute_optimal_flops=1e22), devices=64)
+    assert len(grid2) == 4 * len(grid)
+    assert {(bool(a), bool(b)) for a, b in zip(grid2.overlap_grad_reduce, grid2.ep_comm_overlap)} == {
+        (False, False), (False, True), (True, False), (True, True)}
+    default = load_space().layout
+    assert all(getattr(default, f) == (False, True) for f in
+               ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap"))
+
+
+def test_a_bad_overlap_list_names_the_key():
+    data = yaml.safe_load(default_space_path().read_text())
+    data["layout"]["ep_comm_overlap"] = []
+    with pytest.raises(InputError, match="ep_comm_overlap"):
+        space_from_dict(data, "space.yaml")
+
+
+def test_the_default_space_is_the_full_one():
+    """What users expect searched by default (issue: interleaving, dense first layers, overlaps)."""
+    space = load_space()
+    assert space.layout.vpp == (1, 2)
+    assert set(space.geometry.n_dense_layers) == {0, 1, 3}
+    assert space.layout.tp == "auto"
+    assert {e for e in space.layout.ep} >= {1, 8, 64}

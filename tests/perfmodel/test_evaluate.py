@@ -12,9 +12,10 @@ import pytest
 from perfmodel import REASONS, evaluate, goodput, load_cluster
 from perfmodel.comm import collective_time
 from perfmodel.evaluate import HIDDEN_COMPONENTS, STEP_COMPONENTS
+from perfmodel.kernels import flat_figures
 from perfmodel.memory import MEMORY_COMPONENTS
 from perfmodel.operators import PHASES, layer_ops
-from perfmodel.specs import ArchBatch, EfficiencyCurve, LayoutBatch, MoEArchitecture, ParallelLayout, parse_layout
+from perfmodel.specs import ArchBatch, LayoutBatch, MoEArchitecture, ParallelLayout, parse_layout
 from perfmodel.specs.architecture import active_params, norm_params
 
 H100 = load_cluster("h100")
@@ -36,8 +37,7 @@ SMALL_MOE = MoEArchitecture(
 def ideal_cluster(efficiency: float = 0.5):
     """One flat compute efficiency, effectively infinite memory bandwidth, no latency or stragglers."""
     acc = H100.accelerator
-    flat = EfficiencyCurve(sizes=(1.0,), values=(efficiency,), source="test")
-    acc = dataclasses.replace(acc, compute_efficiency={"bf16": flat}, hbm_bandwidth_bytes_per_s=1e30,
+    acc = dataclasses.replace(acc, kernels=flat_figures(efficiency), hbm_bandwidth_bytes_per_s=1e30,
                               launch_latency_s=0.0)
     return dataclasses.replace(H100, accelerator=acc, straggler=dataclasses.replace(H100.straggler, cv=0.0))
 
@@ -319,7 +319,7 @@ def test_layer_ops_explain_every_phase():
 
 
 def test_shared_block_tables_equal_pricing_every_row(monkeypatch):
-    """Grids (geometries x layouts) price each distinct operator table once; results are identical."""
+    """Grids (geometries x layouts) price each distinct block table once; results are identical."""
     import sys
 
     module = sys.modules["perfmodel.tables"]
@@ -330,9 +330,12 @@ def test_shared_block_tables_equal_pricing_every_row(monkeypatch):
     archs = ArchBatch.stack([SMALL_MOE, SMALL_MOE.replace(top_k=4), DENSE.replace(n_layers=8)])
     index = np.arange(3 * len(layouts))
     a, lay = archs.take(index // len(layouts)), layouts.take(index % len(layouts))
-    assert module.table_groups(a, lay, np.full(len(index), 64.0)) is not None  # the shared path runs
+    tokens = module.pack_columns([np.asarray(getattr(a, f), dtype=float) for f in module.TOKEN_FIELDS[0]]
+                                 + [np.asarray(getattr(lay, f), dtype=float) for f in module.TOKEN_FIELDS[1]])
+    for block in module.GROUPED_BLOCKS:  # the shared path runs
+        assert module.block_groups(block, a, lay, tokens) is not None, block
     shared = evaluate(a, lay, H100)
-    monkeypatch.setattr(module, "table_groups", lambda *args: None)
+    monkeypatch.setattr(module, "block_groups", lambda *args: None)
     plain = evaluate(a, lay, H100)
     np.testing.assert_array_equal(shared.step_time_s, plain.step_time_s)
     np.testing.assert_array_equal(shared.memory_per_device_bytes, plain.memory_per_device_bytes)
@@ -347,6 +350,21 @@ def test_mixed_precision_batch_equals_single_calls():
         single = evaluate(SMALL_MOE, layout, H100)
         assert single.step_time_s[0] == pytest.approx(batch.step_time_s[i], rel=1e-12), strings[i]
         assert single.mfu[0] == pytest.approx(batch.mfu[i], rel=1e-12)
+
+
+def test_batch_of_even_and_uneven_splits_equals_single_calls():
+    # even splits (closed form), uneven ones (general rule, timed middle ranks) and a dense model in one batch
+    strings = ["pp=4,ep=4,mbs=1", "pp=4,ep=2,balanced_split=true,mbs=1", "pp=8,ep=2,mbs=1",
+               "pp=4,first_stage_layers=1,last_stage_layers=1,ep=2,mbs=1", "pp=2,vpp=2,ep=4,mbs=2", "ep=8,mbs=1"]
+    archs = [SMALL_MOE, SMALL_MOE.replace(n_layers=10), DENSE.replace(n_layers=12)]
+    pairs = [(a, parse_layout(s, devices=64)) for a in archs for s in strings]
+    batch = evaluate(ArchBatch.stack([a for a, _ in pairs]), LayoutBatch.stack([lay for _, lay in pairs]), H100)
+    assert set(batch.bottleneck_stage) == {0, 1, 2}  # first, last and middle ranks set the step
+    for i, (arch, layout) in enumerate(pairs):
+        single = evaluate(arch, layout, H100)
+        for got, want in ((batch.step_time_s[i], single.step_time_s[0]), (batch.memory_per_device_bytes[i],
+                          single.memory_per_device_bytes[0]), (batch.bottleneck_rank[i], single.bottleneck_rank[0])):
+            assert got == pytest.approx(want, rel=1e-12), (arch.n_layers, layout.to_string())
 
 
 def test_cpu_ranks_pay_launch_time_on_top():
@@ -404,14 +422,52 @@ def test_eager_recompute_pays_checkpoint_host_time_per_region_and_saved_tensor()
     assert extra["full"] > extra["selective"]
 
 
-def test_attention_core_runs_at_the_calibrated_fraction_of_a_gemm():
-    ratio = 0.25
-    acc = H100.accelerator
-    slower = dataclasses.replace(H100, accelerator=dataclasses.replace(
-        acc, attention_efficiency_vs_gemm=ratio, sources={**acc.sources, "attention_efficiency_vs_gemm": "test"}))
+def test_attention_core_runs_at_its_own_fitted_efficiency():
+    """Halving the attention figures' e_max doubles the flash core's time and leaves the GEMMs alone."""
+    ideal = ideal_cluster(0.5)
+    acc = ideal.accelerator
+    attn = {p: dataclasses.replace(a, fwd_e_max=a.fwd_e_max / 2, bwd_e_max=a.bwd_e_max / 2)
+            for p, a in acc.kernels.attention.items()}
+    slower = dataclasses.replace(ideal, accelerator=dataclasses.replace(
+        acc, kernels=dataclasses.replace(acc.kernels, attention=attn)))
     layout = parse_layout("mbs=1,gbs=1", devices=1)
-    base, priced = evaluate(DENSE, layout, H100), evaluate(DENSE, layout, slower)
-    # the flash core's FLOPs take 1/ratio as long; GEMMs (incl. the bf16 head) are untouched
-    assert priced.breakdown["attention"][0] == pytest.approx(base.breakdown["attention"][0] / ratio, rel=1e-6)
+    base, priced = evaluate(DENSE, layout, ideal), evaluate(DENSE, layout, slower)
+    # memory is free on the ideal part: the flash core takes twice as long; GEMMs (incl. the bf16 head) are untouched
+    assert priced.breakdown["attention"][0] == pytest.approx(2 * base.breakdown["attention"][0], rel=1e-6)
     assert priced.breakdown["compute"][0] == pytest.approx(base.breakdown["compute"][0], rel=1e-9)
     assert priced.step_time_s[0] > base.step_time_s[0]
+
+def test_moe_host_synchronisations_serialise_once_per_routed_layer_forward():
+    """Each routed MoE layer's forward waits one device-to-host read (split sizes): the step
+    pays (host_sync + launch) per MoE layer and micro-batch, twice under full recompute; a
+    dense model and a cluster that prices no sync pay nothing of it."""
+    from perfmodel.host import MOE_HOST_SYNCS_PER_LAYER
+
+    acc = H100.accelerator
+    assert acc.host_sync_latency_s and "host_sync_latency_s" in acc.sources
+    no_sync = dataclasses.replace(H100, accelerator=dataclasses.replace(acc, host_sync_latency_s=None))
+    per_sync = acc.host_sync_latency_s + acc.launch_latency_s
+    moe_layers = SMALL_MOE.n_layers - SMALL_MOE.n_dense_layers
+    for recompute, factor in (("none", 1.0), ("full", 2.0)):
+        layout = ParallelLayout(mbs=1, gbs=4, recompute=recompute).resolve(1)
+        micro_batches = 4
+        with_sync = evaluate(SMALL_MOE, layout, H100).breakdown["dispatch"][0]
+        without = evaluate(SMALL_MOE, layout, no_sync).breakdown["dispatch"][0]
+        expected = micro_batches * factor * MOE_HOST_SYNCS_PER_LAYER * moe_layers * per_sync
+        assert with_sync - without == pytest.approx(expected, rel=1e-6)
+    layout = ParallelLayout(mbs=1, gbs=4).resolve(1)
+    assert evaluate(DENSE, layout, H100).breakdown["dispatch"][0] == evaluate(DENSE, layout, no_sync).breakdown["dispatch"][0]
+
+
+def test_mfu_at_128k_context_counts_the_causal_attention_executed():
+    """At 128k tokens attention is most of the step: MFU counts the causal half the kernels
+    execute, so it stays below 1 even on a device that runs every kernel at its peak, while
+    the PaLM/Megatron convention (non-causal 12·L·s·h_q) reports more than was run."""
+    long = MoEArchitecture(n_layers=4, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=32000,
+                           seq_len=131072, d_ff_dense=14336, gated_ffn=True)
+    layout = ParallelLayout(mbs=1, gbs=1).resolve(1)
+    perfect = evaluate(long, layout, ideal_cluster(1.0))
+    assert perfect.mfu[0] <= 1.0 + 1e-9
+    assert perfect.mfu_palm[0] > 1.0  # the convention's numerator counts the masked half too
+    real = evaluate(long, layout, H100)
+    assert 0.0 < real.mfu[0] < 1.0 and real.mfu_palm[0] > real.mfu[0]

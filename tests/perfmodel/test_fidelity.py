@@ -83,13 +83,12 @@ def test_weights_and_distributed_optimizer_match_megatron_formula():
 
 def test_moe_stored_activations_use_mean_load_but_time_uses_busiest_rank(monkeypatch):
     """Activations summed over many layers concentrate at the mean tokens per rank; each
-    all-to-all and grouped GEMM waits for the busiest rank (MOE_LOAD_FACTOR)."""
+    all-to-all and grouped GEMM waits for the busiest rank (`routing.busiest_load_factor`)."""
     layout = parse_layout("ep=8,mbs=1,gbs=64", devices=8)
     base = evaluate(MOE, layout, H100)
-    monkeypatch.setattr(ops, "MOE_LOAD_FACTOR", 2.0 * ops.MOE_LOAD_FACTOR)
-    ops._SHAPES_CACHE[:] = [None, None, None]
+    factor = ops.busiest_load_factor
+    monkeypatch.setattr(ops, "busiest_load_factor", lambda *args: 2.0 * factor(*args))
     heavy = evaluate(MOE, layout, H100)
-    ops._SHAPES_CACHE[:] = [None, None, None]
     assert heavy.memory_breakdown["activations"][0] == pytest.approx(base.memory_breakdown["activations"][0])
     assert heavy.memory_breakdown["moe_buffers"][0] > base.memory_breakdown["moe_buffers"][0]
     assert heavy.breakdown["expert_gemm"][0] > base.breakdown["expert_gemm"][0]
@@ -152,7 +151,7 @@ def test_fp8_casts_are_memory_bound_kernels_with_current_scaling_and_transposes(
     assert float(np.sum(bf16.bytes)) == 0.0 and float(np.sum(bf16.kernels)) == 0.0
     # the casts make fp8 slower than its GEMMs alone would: compute at fp8 > bf16 compute / 2
     both = evaluate(LLAMA, layout, H100), evaluate(LLAMA, parse_layout("tp=2,sp=true,mbs=1,gbs=8", devices=2), H100)
-    assert both[0].step_time_s[0] < both[1].step_time_s[0]
+    assert both[0].breakdown["compute"][0] > both[1].breakdown["compute"][0] / 2
 
 
 def test_router_and_lm_head_stay_bf16_under_fp8():
@@ -193,7 +192,8 @@ def test_grouped_expert_gemm_launches_one_gemm_per_local_expert():
         up = _op(MOE, layout, "moe", "expert_up")
         local = MOE.n_experts / ep
         assert [float(k) for k in up.kernels] == [local] * 3
-        assert float(up.kernel_flops[0]) == pytest.approx(float(up.flops[0]) / local)
+        # each launch is one expert's GEMM: the efficiency is read at one group's rows
+        assert float(up.shape[0]) * local == pytest.approx(float(up.flops[0]) / (2 * float(up.shape[1]) * float(up.shape[2])))
 
 
 def test_expert_optimizer_states_shard_over_expert_data_parallel_group():

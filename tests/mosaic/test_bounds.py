@@ -1,0 +1,132 @@
+"""The exact prunings of the layout search: the compute bound, overlap dominance, recompute dominance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import perfmodel
+from mosaic.planner import build_problem
+from mosaic.planner import problem as problem_mod
+from mosaic.planner.bounds import SHAPE_FIELDS, ComputeBound
+from mosaic.planner.candidates import OVERLAP_RULES, memory_per_device, overlap_allowed, overlap_dominated
+from mosaic.planner.enumerate import rank_cluster_optimal
+from perfmodel.specs.layout import OVERLAP_FIELDS
+from perfmodel.tables import block_tables
+from perfmodel.validity import RULES, valid_mask
+
+BOTH = (False, True)
+
+
+def _space(make_space, **layout):
+    space = make_space(n_shared_experts=(0, 1), n_dense_layers=(0, 1), n_layers=(16, 24, 32))
+    return space.replace_layout(**{"vpp": (1, 2), "mbs": (1, 2), **{f: BOTH for f in OVERLAP_FIELDS}, **layout})
+
+
+@pytest.mark.parametrize("cluster,devices", [("h100", 64), ("ascend_superpod", 128), ("cpu_local", 8)])
+def test_compute_bound_holds_on_every_valid_pair(law, make_space, cluster, devices):
+    p = build_problem(cluster, devices=devices, days=5, fit=law, space=_space(make_space), prune=False)
+    ev = p.evaluator
+    bound = ComputeBound(p.geoms.archs, ev.grid, p.cluster, devices)
+    idx = np.arange(0, len(p.geoms), 3)
+    archs, lays, g, lay_i = ev.pairs(idx)
+    v = np.flatnonzero(valid_mask(archs, lays, devices))
+    res = perfmodel.evaluate(archs.take(v), lays.take(v), p.cluster, devices)
+    ub = bound.tokens_per_s(g[v], lay_i[v], archs.take(v), lays.take(v))
+    assert len(v) > 500
+    assert np.all(res.tokens_per_s <= ub * (1 + 1e-12))
+    # the geometry bound is above every pair bound of that geometry, hence above every pair
+    per_geometry = np.zeros(len(p.geoms))
+    per_geometry[idx] = bound.geometry_tokens_per_s(idx)
+    assert np.all(ub <= per_geometry[g[v]] * (1 + 1e-12))
+    assert np.median(ub / res.tokens_per_s) < 3.0  # and it is not vacuous
+
+
+def test_block_tables_do_not_read_the_layer_counts(law, make_space):
+    """The bound caches one table per layer shape (SHAPE_FIELDS): depth and dense layers only count."""
+    p = build_problem("h100", devices=64, days=5, fit=law, space=_space(make_space))
+    archs = p.geoms.archs
+    moe = np.flatnonzero(np.asarray(archs.n_experts) > 0)[:1]
+    base = archs.take(np.repeat(moe, 3))
+    varied = dataclasses.replace(base, n_layers=np.asarray([16, 24, 48]), n_dense_layers=np.asarray([0, 1, 3]))
+    lays = p.evaluator.grid.take(np.zeros(3, dtype=np.int64))
+    lays = dataclasses.replace(lays, gbs=np.asarray(lays.mbs) * np.asarray(lays.dp))
+    from perfmodel.comm import CollectivePricer
+    from perfmodel.hardware import HardwareView
+    from perfmodel.host import host_dispatch
+    from perfmodel.inputs import as_float
+
+    host = host_dispatch(p.cluster)
+    lf = as_float(lays)
+    hw = HardwareView(p.cluster, lf, np.ones(3))
+    tables = block_tables(as_float(varied), lf, host.block_comms, CollectivePricer(p.cluster, lf, hw.share), hw)
+    for block in tables.values():
+        for key, value in block.items():
+            assert np.ptp(np.broadcast_to(np.asarray(value, dtype=float), (3,))) == 0.0, key
+    assert "n_layers" not in SHAPE_FIELDS and "n_dense_layers" not in SHAPE_FIELDS
+
+
+def test_overlap_rules_read_the_layout_only_and_memory_ignores_the_switches(law, make_space):
+    space = _space(make_space, dp_flavor=("ddp", "zero1", "fsdp"))
+    p = build_problem("h100", devices=64, days=5, fit=law, space=space, prune=False)
+    archs, lays, _, lay_i = p.evaluator.pairs(np.arange(len(p.geoms)))
+    reading = set()
+    for name, rule, _ in RULES:
+        for field in OVERLAP_FIELDS:
+            flipped = dataclasses.replace(lays, **{field: ~np.asarray(getattr(lays, field))})
+            if not np.array_equal(np.asarray(rule(archs, lays)), np.asarray(rule(archs, flipped))):
+                reading.add(name)
+    assert reading == set(OVERLAP_RULES)  # every rule that reads a switch is in OVERLAP_RULES
+    grid = p.evaluator.grid
+    for name, rule, _ in RULES:
+        if name in OVERLAP_RULES:
+            np.testing.assert_array_equal(np.asarray(rule(archs, lays)), np.asarray(rule(None, grid))[lay_i])
+    sample = np.arange(0, len(lay_i), 7)
+    base = lays.take(sample)
+    mem = memory_per_device(archs.take(sample), base, p.cluster)
+    for field in OVERLAP_FIELDS:
+        flipped = dataclasses.replace(base, **{field: ~np.asarray(getattr(base, field))})
+        np.testing.assert_array_equal(memory_per_device(archs.take(sample), flipped, p.cluster), mem)
+
+
+def test_overlap_dominance_keeps_one_row_per_reachable_switch_set(law, make_space):
+    p = build_problem("h100", devices=64, days=5, fit=law, space=_space(make_space), prune=False)
+    grid = p.evaluator.grid
+    dominated = overlap_dominated(grid)
+    assert 0 < dominated.sum() < len(grid)
+    kept = grid.take(np.flatnonzero(~dominated & overlap_allowed(grid)))
+    # a kept row with a switch off is one whose sibling with it on is not allowed (e.g. tp overlap at tp 1)
+    off_tp = ~np.asarray(kept.tp_comm_overlap) & (np.asarray(kept.tp) > 1) & np.asarray(kept.sequence_parallel)
+    assert not np.any(off_tp)
+    assert np.all(np.asarray(kept.overlap_grad_reduce))
+
+
+@pytest.mark.parametrize("cluster,devices", [("h100", 64), ("ascend_superpod", 128)])
+def test_every_pruning_together_leaves_the_answer_unchanged(law, make_space, cluster, devices, monkeypatch):
+    monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 3000)
+    space = _space(make_space)
+    pruned_p = build_problem(cluster, devices=devices, days=5, fit=law, space=space)
+    full_p = build_problem(cluster, devices=devices, days=5, fit=law, space=space, prune=False)
+    pruned = rank_cluster_optimal(pruned_p, top=5)
+    full = rank_cluster_optimal(full_p, top=5)
+    assert pruned.pruned_geometries > 0
+    assert len(pruned_p.evaluator.grid) < len(full_p.evaluator.grid)  # overlap dominance shrank the grid
+    assert int(pruned.results.n_timed.sum()) < int(full.results.n_timed.sum()) / 10
+    np.testing.assert_array_equal(pruned.index[:5], full.index[:5])
+    np.testing.assert_allclose(pruned.loss[:5], full.loss[:5], rtol=1e-12)
+    np.testing.assert_allclose(pruned.results.tokens_per_s[:5], full.results.tokens_per_s[:5], rtol=1e-12)
+
+
+def test_a_bound_that_fails_reruns_the_search_without_it(law, make_space, monkeypatch):
+    """If perfmodel ever prices a pair above its bound, the search notices and searches everything."""
+    space = _space(make_space)
+    reference = rank_cluster_optimal(build_problem("h100", devices=64, days=5, fit=law, space=space, prune=False), top=3)
+    p = build_problem("h100", devices=64, days=5, fit=law, space=space)
+    real = ComputeBound.tokens_per_s
+    monkeypatch.setattr(ComputeBound, "tokens_per_s", lambda self, *a, **k: real(self, *a, **k) * 0.5)
+    ranked = rank_cluster_optimal(p, top=3)
+    assert p.evaluator.bound is None
+    np.testing.assert_array_equal(ranked.index[:3], reference.index[:3])
+    np.testing.assert_allclose(ranked.loss[:3], reference.loss[:3], rtol=1e-12)
