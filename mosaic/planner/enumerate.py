@@ -52,6 +52,20 @@ class Ranked:
     """Of the pruned: geometries whose pairs were built, then left at their floor."""
 
 
+def bounds_failed(problem: Problem, res: GeometryResults) -> bool:
+    """Whether a searched result beat a bound it was pruned by: the MFU cap of its geometry, or
+    the compute bound of any pair timed so far (also in geometries left at their floor)."""
+    cap = problem.mfu_cap()[res.index] if len(res.index) else np.zeros(0)
+    return bool(np.any(res.mfu > cap * (1 + 1e-9)) or not np.all(res.bound_ok) or problem.evaluator.bound_violated)
+
+
+def drop_bounds(problem: Problem) -> None:
+    """Search on without the compute bound and the loss bounds built from it."""
+    problem.evaluator.bound = None
+    problem._cache.clear()
+    problem._memo.pop("loss_lower_bound", None)
+
+
 def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.ndarray] = None,
                          progress: Optional[Callable[[int], None]] = None, workers: int = 1,
                          bound: bool = True, within: Optional[float] = None) -> Ranked:
@@ -100,14 +114,10 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
             pool.shutdown()
     res = GeometryResults.concat(collected) if collected else GeometryResults.empty()
     loss = np.concatenate(losses) if losses else np.zeros(0)
-    if use_bounds and len(res.index):
-        cap = problem.mfu_cap()[res.index]
-        if np.any(res.mfu > cap * (1 + 1e-9)) or not np.all(res.bound_ok):
-            # a bound is not valid for this model: search everything, every layout timed
-            problem.evaluator.bound = None
-            problem._cache.clear()
-            problem._memo.pop("loss_lower_bound", None)
-            return rank_cluster_optimal(problem, top, subset, progress, workers, bound=False, within=within)
+    if use_bounds and bounds_failed(problem, res):
+        # a bound is not valid for this model: search everything, every layout timed
+        drop_bounds(problem)
+        return rank_cluster_optimal(problem, top, subset, progress, workers, bound=False, within=within)
     order2 = np.lexsort((res.index, loss))
     return Ranked(index=res.index[order2], loss=loss[order2], tokens=problem.tokens_in_budget(res.tokens_per_s)[order2],
                   results=res.take(order2), evaluated=len(res.index), pairs_seen=pairs,

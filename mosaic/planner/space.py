@@ -356,21 +356,32 @@ def layout_grid(resolved: ResolvedSpace, devices: int) -> LayoutBatch:
 def split_and_dispatch_variants(grid: LayoutBatch, splits: tuple[str, ...], dispatchers: tuple[str, ...]) -> LayoutBatch:
     """The grid once per pipeline split (the balanced copy only of rows with pp > 1) and per
     dispatcher (the non-alltoall copies only of rows with ep > 1): the search keeps each
-    geometry's fastest, so it picks the split that balances the stages and the dispatcher."""
+    geometry's fastest, so it picks the split that balances the stages and the dispatcher. A
+    row the listed choices do not apply to (pp = 1 under `balanced` alone, ep = 1 without
+    `alltoall`) is kept once with the default (no split to choose, no tokens to dispatch)."""
     pp = np.asarray(grid.pp)
     parts = []
-    for split in splits:
-        rows = np.flatnonzero(pp > 1) if split == "balanced" else np.arange(len(grid))
-        part = grid.take(rows)
+    for i, split in enumerate(splits):
         if split == "balanced":
-            part = dataclasses.replace(part, balanced_split=np.ones(len(rows), dtype=bool))
-        parts.append(part)
+            balanced = grid.take(np.flatnonzero(pp > 1))
+            parts.append(dataclasses.replace(balanced, balanced_split=np.ones(len(balanced), dtype=bool)))
+            if "default" not in splits and i == splits.index("balanced"):
+                parts.append(grid.take(np.flatnonzero(pp == 1)))
+        else:
+            parts.append(grid)
     out = []
+    first_other = next((d for d in dispatchers if d != "alltoall"), None)
     for dispatcher in dispatchers:
         for part in parts:
-            rows = np.arange(len(part)) if dispatcher == "alltoall" else np.flatnonzero(np.asarray(part.ep) > 1)
-            sub = part.take(rows)
-            out.append(dataclasses.replace(sub, dispatcher=np.full(len(rows), DISPATCHERS.index(dispatcher))))
+            ep = np.asarray(part.ep)
+            if dispatcher == "alltoall":
+                out.append(dataclasses.replace(part, dispatcher=np.full(len(part), DISPATCHERS.index("alltoall"))))
+                continue
+            sub = part.take(np.flatnonzero(ep > 1))
+            out.append(dataclasses.replace(sub, dispatcher=np.full(len(sub), DISPATCHERS.index(dispatcher))))
+            if "alltoall" not in dispatchers and dispatcher == first_other:
+                single = part.take(np.flatnonzero(ep == 1))
+                out.append(dataclasses.replace(single, dispatcher=np.full(len(single), DISPATCHERS.index("alltoall"))))
     if len(out) == 1:
         return out[0]
     fields = [f.name for f in dataclasses.fields(LayoutBatch)]

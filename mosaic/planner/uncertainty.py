@@ -43,6 +43,7 @@ from mosaic.planner import law as lawmod
 from mosaic.planner.enumerate import Ranked, rank_cluster_optimal
 from mosaic.planner.problem import Problem
 from perfmodel.specs.cluster import ClusterSpec
+from perfmodel.specs.layout import LAYOUT_FIELDS, OVERLAP_FIELDS
 
 DRAWS = 400
 SEED = 20
@@ -71,11 +72,14 @@ class ThroughputError:
         """ln r of shape (draws, candidates), candidates of `kinds` ('dense' or 'moe'); candidates of
         one `groups` value (one layout) share their residual draw."""
         out = np.zeros((draws, len(kinds)))
+        shared: dict[int, np.ndarray] = {}  # kinds whose rows are one set (a calibration) share mu
         for kind in np.unique(kinds):
             cols = np.flatnonzero(kinds == kind)
             own = self.own.get(kind, np.zeros(0))
             if len(own) >= MIN_ROWS:
-                mu = rng.choice(own, size=(draws, len(own)), replace=True).mean(axis=1)
+                if id(own) not in shared:
+                    shared[id(own)] = rng.choice(own, size=(draws, len(own)), replace=True).mean(axis=1)
+                mu = shared[id(own)]
             elif len(self.cluster_means.get(kind, ())):
                 mu = rng.choice(self.cluster_means[kind], size=draws, replace=True)
             else:
@@ -146,9 +150,8 @@ def throughput_error(cluster: ClusterSpec) -> ThroughputError:
 def layout_classes(problem: Problem, layout_index: np.ndarray) -> np.ndarray:
     """One integer per distinct layout (every field but the overlap switches and gbs): the plans the
     model prices with the same kernels and collectives, so share one throughput residual."""
-    grid = problem.evaluator.grid
-    fields = ("tp", "pp", "vpp", "ep", "etp", "cp", "dp_flavor", "mbs", "recompute", "precision")
-    cols = np.stack([np.asarray(getattr(grid, f), dtype=np.int64)[layout_index] for f in fields], axis=1)
+    grid = problem.evaluator.grid.take(np.asarray(layout_index, dtype=np.int64))
+    cols = grid.key_columns([f for f in LAYOUT_FIELDS if f not in OVERLAP_FIELDS + ("gbs",)])
     return np.unique(cols, axis=0, return_inverse=True)[1].ravel()
 
 

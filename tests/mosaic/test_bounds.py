@@ -130,3 +130,24 @@ def test_a_bound_that_fails_reruns_the_search_without_it(law, make_space, monkey
     assert p.evaluator.bound is None
     np.testing.assert_array_equal(ranked.index[:3], reference.index[:3])
     np.testing.assert_allclose(ranked.loss[:3], reference.loss[:3], rtol=1e-12)
+
+
+def test_overlap_dominance_leaves_fused_dispatcher_rows_alone(law, make_space):
+    """A fused dispatcher's hidden EP seconds cost sm/(1 - sm), not compute_slowdown, so one more
+    switch on can be slower (perfmodel.stage): those rows are never dropped as dominated."""
+    space = _space(make_space, ep=(1, 8), dispatcher=("alltoall", "hybridep"))
+    p = build_problem("gb200_nvl72", devices=64, days=5, fit=law, space=space, prune=False)
+    grid = p.evaluator.grid
+    fused = np.asarray(grid.dispatcher) == perfmodel.specs.layout.DISPATCHERS.index("hybridep")
+    dominated = overlap_dominated(grid)
+    assert fused.any() and dominated[~fused].any() and not dominated[fused].any()
+
+
+def test_recompute_dominance_prunes_and_keeps_the_answer(law, make_space):
+    """A layout whose twin with less recompute fits is never timed, and the answer is unchanged."""
+    space = _space(make_space, recompute=("none", "selective", "full"))
+    pruned = rank_cluster_optimal(build_problem("h100", devices=64, days=5, fit=law, space=space), top=3)
+    full = rank_cluster_optimal(build_problem("h100", devices=64, days=5, fit=law, space=space, prune=False), top=3)
+    assert int(np.sum(pruned.results.n_dominated)) > 0
+    np.testing.assert_array_equal(pruned.index[:3], full.index[:3])
+    np.testing.assert_allclose(pruned.results.tokens_per_s[:3], full.results.tokens_per_s[:3], rtol=1e-12)

@@ -153,3 +153,22 @@ def test_the_default_space_is_the_full_one():
     assert set(space.geometry.n_dense_layers) == {0, 1, 3}
     assert space.layout.tp == "auto"
     assert {e for e in space.layout.ep} >= {1, 8, 64}
+
+
+@pytest.mark.parametrize(("splits", "dispatchers"), [(("balanced",), ("alltoall",)), (("default",), ("deepep",)),
+                                                     (("balanced",), ("allgather", "hybridep"))])
+def test_a_split_or_dispatcher_list_keeps_the_rows_it_does_not_apply_to(splits, dispatchers):
+    """pp = 1 rows under `balanced` alone and ep = 1 rows without `alltoall` stay, once, at the default."""
+    from mosaic.planner.space import split_and_dispatch_variants
+    from perfmodel.layouts import layout_grid as base_grid
+    from perfmodel.specs.layout import DISPATCHERS
+
+    grid = base_grid(16, tp=(1,), pp=(1, 2), vpp=(1,), ep=(1, 2), etp=(1,), cp=(1,), dp_flavor=("zero1",), mbs=(1,),
+                     recompute=("none",), precision=("bf16",), overlaps=((True, True, False, False),))
+    out = split_and_dispatch_variants(grid, splits, dispatchers)
+    pp, ep = np.asarray(out.pp), np.asarray(out.ep)
+    balanced, disp = np.asarray(out.balanced_split), np.asarray(out.dispatcher)
+    assert set(pp.tolist()) == {1, 2} and set(ep.tolist()) == {1, 2}
+    assert not balanced[pp == 1].any() and (disp[ep == 1] == DISPATCHERS.index("alltoall")).all()
+    single = (pp == 1) & (ep == 1)
+    assert single.sum() == ((np.asarray(grid.pp) == 1) & (np.asarray(grid.ep) == 1)).sum()  # once, not per choice

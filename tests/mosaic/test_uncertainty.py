@@ -97,3 +97,26 @@ def test_decide_without_any_measured_uncertainty_says_so(law, space, monkeypatch
     ranked = rank_cluster_optimal(p, top=3)
     _, d = unc.decide(p, ranked, top=3)
     assert not d["available"] and "bootstrap" in d["note"]
+
+
+def test_one_set_of_rows_gives_dense_and_moe_one_bias_per_draw():
+    """A calibration's rows stand for both kinds: a draw's bias is the same for dense and MoE plans."""
+    rows = np.log([0.8, 0.9, 1.1, 1.3])
+    err = unc.ThroughputError(own={"dense": rows, "moe": rows}, residuals={"dense": np.zeros(1), "moe": np.zeros(1)},
+                              cluster_means={}, source="test")
+    draws = err.draw(np.asarray(["dense", "moe"]), np.asarray([0, 1]), 300, np.random.default_rng(1))
+    np.testing.assert_array_equal(draws[:, 0], draws[:, 1])
+    assert np.std(draws[:, 0]) > 0
+
+
+def test_layouts_that_differ_only_in_the_dispatcher_are_two_classes(law, make_space):
+    space = make_space().replace_layout(ep=(1, 8), dispatcher=("alltoall", "allgather"))
+    p = build_problem("h100", devices=64, days=5, fit=law, space=space)
+    grid = p.evaluator.grid
+    disp = np.asarray(grid.dispatcher)
+    a = np.flatnonzero(disp == 1)[0]
+    twin = [i for i in np.flatnonzero(disp == 0)
+            if all(np.array_equal(np.asarray(getattr(grid, f))[i], np.asarray(getattr(grid, f))[a])
+                   for f in ("tp", "pp", "vpp", "ep", "etp", "cp", "dp_flavor", "mbs", "recompute", "precision"))]
+    classes = unc.layout_classes(p, np.asarray([a, twin[0]]))
+    assert classes[0] != classes[1]
