@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from perfmodel.comm import CollectivePricer
+from perfmodel.grouping import row_groups
 from perfmodel.hardware import HardwareView
 from perfmodel.host import host_dispatch
 from perfmodel.inputs import as_float
@@ -48,20 +49,13 @@ _ENTRIES = ("compute", "fwd", "core_fwd")
 """Per block: fwd + bwd compute of every category, its forward part, the attention core's forward."""
 
 
-def _keys(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(first row of each distinct key, key index of every row) of stacked integer columns."""
-    stacked = np.stack([np.asarray(c, dtype=np.float64) for c in columns], axis=1)
-    _, first, inverse = np.unique(stacked, axis=0, return_index=True, return_inverse=True)
-    return first, inverse.ravel()
-
-
 class ComputeBound:
     """tokens/s upper bounds of (geometry, layout) pairs on one cluster and device count (module doc)."""
 
     def __init__(self, archs: ArchBatch, grid: LayoutBatch, cluster: ClusterSpec, devices: int) -> None:
         self.cluster, self.devices = cluster, int(devices)
-        self.shape_first, self.shape_of_geometry = _keys([np.asarray(getattr(archs, f)) for f in SHAPE_FIELDS])
-        self.table_first, self.table_of_layout = _keys([np.asarray(getattr(grid, f)) for f in TABLE_LAYOUT_FIELDS])
+        self.shape_first, self.shape_of_geometry = row_groups([np.asarray(getattr(archs, f)) for f in SHAPE_FIELDS])
+        self.table_first, self.table_of_layout = row_groups([np.asarray(getattr(grid, f)) for f in TABLE_LAYOUT_FIELDS])
         self.archs, self.grid = archs, grid
         self.straggler = float(np.asarray(straggler_factor(cluster, np.asarray([float(devices)]))).ravel()[0])
         self._host = host_dispatch(cluster)

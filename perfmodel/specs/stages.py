@@ -39,6 +39,7 @@ from typing import Any, Optional
 import numpy as np
 
 from perfmodel.errors import InputError
+from perfmodel.grouping import row_groups
 
 _LAYOUT_CHARS = {"E": "embedding", "t": "decoder", "m": "mtp", "L": "loss"}
 
@@ -259,16 +260,13 @@ def stage_layer_table(n_layers: np.ndarray, batch: Any) -> np.ndarray:
         out[layout_rows, :w] = np.maximum(layout[layout_rows, :w], 0)
     rest_rows = plain & ~even
     if rest_rows.any():
-        # one int64 key per (L, pp, vpp): a 1-D unique sorts scalars, not rows
         L_r, p_r, v_r = n_layers[rest_rows], pp[rest_rows], vpp[rest_rows]
-        p_span, v_span = int(p_r.max()) + 1, int(v_r.max()) + 1
-        uniq, inverse = np.unique((L_r * p_span + p_r) * v_span + v_r, return_inverse=True)
-        table = np.zeros((len(uniq), width), dtype=np.int64)
-        for u, key in enumerate(uniq.tolist()):
-            L, p_, v_ = key // (p_span * v_span), key // v_span % p_span, key % v_span
-            counts = balanced_stage_layers(int(L), int(p_), int(v_))
+        first, inverse = row_groups([L_r, p_r, v_r])
+        table = np.zeros((len(first), width), dtype=np.int64)
+        for u, i in enumerate(first.tolist()):
+            counts = balanced_stage_layers(int(L_r[i]), int(p_r[i]), int(v_r[i]))
             table[u, :len(counts)] = counts
-        out[rest_rows] = table[inverse.ravel()]
+        out[rest_rows] = table[inverse]
     return out.astype(float)
 
 
