@@ -59,13 +59,6 @@ def bounds_failed(problem: Problem, res: GeometryResults) -> bool:
     return bool(np.any(res.mfu > cap * (1 + 1e-9)) or not np.all(res.bound_ok) or problem.evaluator.bound_violated)
 
 
-def drop_bounds(problem: Problem) -> None:
-    """Search on without the compute bound and the loss bounds built from it."""
-    problem.evaluator.bound = None
-    problem._cache.clear()
-    problem._memo.pop("loss_lower_bound", None)
-
-
 def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.ndarray] = None,
                          progress: Optional[Callable[[int], None]] = None, workers: int = 1,
                          bound: bool = True, within: Optional[float] = None) -> Ranked:
@@ -116,7 +109,7 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
     loss = np.concatenate(losses) if losses else np.zeros(0)
     if use_bounds and bounds_failed(problem, res):
         # a bound is not valid for this model: search everything, every layout timed
-        drop_bounds(problem)
+        problem.drop_bounds()
         return rank_cluster_optimal(problem, top, subset, progress, workers, bound=False, within=within)
     order2 = np.lexsort((res.index, loss))
     return Ranked(index=res.index[order2], loss=loss[order2], tokens=problem.tokens_in_budget(res.tokens_per_s)[order2],

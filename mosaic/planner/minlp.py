@@ -49,7 +49,7 @@ import numpy as np
 from mosaic.planner import law as lawmod
 from mosaic.planner import problem as problem_mod
 from mosaic.planner.candidates import GeometryResults
-from mosaic.planner.enumerate import Ranked, bounds_failed, drop_bounds
+from mosaic.planner.enumerate import Ranked, bounds_failed
 from mosaic.planner.problem import Problem
 from perfmodel.errors import Param, SolverError
 
@@ -344,7 +344,7 @@ def presolve_geometries(problem: Problem, subset: Optional[np.ndarray] = None,
     keep = index[lb <= incumbent] if np.isfinite(incumbent) else index
     res = problem.evaluate(keep, progress, floor=problem.tokens_floor(incumbent * (1 + 1e-12), keep))
     if bounds_failed(problem, res):  # a bound is not valid for this model: every geometry, every layout
-        drop_bounds(problem)
+        problem.drop_bounds()
         keep = index
         res = problem.evaluate(keep, progress)
     feasible = res.exact & (res.best_layout >= 0)

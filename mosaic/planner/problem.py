@@ -69,6 +69,13 @@ class Problem:
     _memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """Figures computed once on demand (the law split of every geometry)."""
 
+    def drop_bounds(self) -> None:
+        """Search on without the compute bound and the loss bound built from it (and forget the
+        results searched with them)."""
+        self.evaluator.bound = None
+        self._cache.clear()
+        self._memo.pop("loss_lower_bound", None)
+
     # -- figures shared by every solver -------------------------------------------------
     def tokens_in_budget(self, tokens_per_s: Any) -> np.ndarray:
         """D = tokens/s x eta_good x wall time (= C_deliverable / FLOPs per token)."""

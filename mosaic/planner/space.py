@@ -361,27 +361,23 @@ def split_and_dispatch_variants(grid: LayoutBatch, splits: tuple[str, ...], disp
     `alltoall`) is kept once with the default (no split to choose, no tokens to dispatch)."""
     pp = np.asarray(grid.pp)
     parts = []
-    for i, split in enumerate(splits):
+    for split in splits:
         if split == "balanced":
             balanced = grid.take(np.flatnonzero(pp > 1))
             parts.append(dataclasses.replace(balanced, balanced_split=np.ones(len(balanced), dtype=bool)))
-            if "default" not in splits and i == splits.index("balanced"):
-                parts.append(grid.take(np.flatnonzero(pp == 1)))
         else:
             parts.append(grid)
+    if "default" not in splits:
+        parts.append(grid.take(np.flatnonzero(pp == 1)))
     out = []
-    first_other = next((d for d in dispatchers if d != "alltoall"), None)
     for dispatcher in dispatchers:
         for part in parts:
-            ep = np.asarray(part.ep)
-            if dispatcher == "alltoall":
-                out.append(dataclasses.replace(part, dispatcher=np.full(len(part), DISPATCHERS.index("alltoall"))))
-                continue
-            sub = part.take(np.flatnonzero(ep > 1))
+            sub = part if dispatcher == "alltoall" else part.take(np.flatnonzero(np.asarray(part.ep) > 1))
             out.append(dataclasses.replace(sub, dispatcher=np.full(len(sub), DISPATCHERS.index(dispatcher))))
-            if "alltoall" not in dispatchers and dispatcher == first_other:
-                single = part.take(np.flatnonzero(ep == 1))
-                out.append(dataclasses.replace(single, dispatcher=np.full(len(single), DISPATCHERS.index("alltoall"))))
+    if "alltoall" not in dispatchers:
+        for part in parts:
+            single = part.take(np.flatnonzero(np.asarray(part.ep) == 1))
+            out.append(dataclasses.replace(single, dispatcher=np.full(len(single), DISPATCHERS.index("alltoall"))))
     if len(out) == 1:
         return out[0]
     fields = [f.name for f in dataclasses.fields(LayoutBatch)]
