@@ -270,6 +270,44 @@ class FusedDispatchTimes:
     """False where a fused dispatcher is asked for over a level without figures."""
 
 
+def _span_level(cluster: ClusterSpec, ep: np.ndarray, etp: np.ndarray, shape: tuple[int, ...]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(index of the outermost fabric level the EP group crosses, -1 for none; the group's members
+    inside that level's inner domain) per candidate (`comm.group_levels` at stride etp)."""
+    span_level = np.full(shape, -1)
+    inner = np.ones(shape)
+    for j, (c_prev, _, fan, _, _) in enumerate(group_levels(cluster, ep, etp)):
+        crossed = np.broadcast_to(fan > 1.0, shape)
+        span_level = np.where(crossed, j, span_level)
+        inner = np.where(crossed, np.broadcast_to(c_prev, shape), inner)
+    return span_level, inner
+
+
+def fused_span_figures(cluster: ClusterSpec, lay: LayoutLike, dispatcher_code: np.ndarray,
+                       fused_codes: dict[int, str]) -> tuple[np.ndarray, np.ndarray]:
+    """(available, sm_fraction) per candidate, properties of the layout and the cluster alone:
+    False where a fused dispatcher is asked for over a level its `ep_dispatch` has no figures for
+    (as `fused_dispatch_times(...).available`), and the compute-unit share the dispatcher holds
+    there (0 where it is not fused, ep = 1 or the level has no figures; `...sm_fraction`)."""
+    ep = np.asarray(lay.ep, dtype=float)
+    shape = np.broadcast(ep, np.asarray(dispatcher_code)).shape
+    code = np.broadcast_to(np.asarray(dispatcher_code), shape)
+    available, sm = np.ones(shape, dtype=bool), np.zeros(shape)
+    if not np.any(np.isin(code, list(fused_codes))) or not np.any(ep > 1):
+        return available, sm
+    span_level, _ = _span_level(cluster, ep, np.asarray(lay.etp, dtype=float), shape)
+    for c_value, name in fused_codes.items():
+        mine = (code == c_value) & (ep > 1)
+        for j, level in enumerate(cluster.levels):
+            here = mine & (span_level == j)
+            fig = cluster.ep_dispatch.get(name, {}).get(level.name)
+            if fig is None:
+                available &= ~here
+            else:
+                sm = np.where(here, fig.sm_fraction, sm)
+    return available, sm
+
+
 def fused_dispatch_times(cluster: ClusterSpec, lay: LayoutLike, dispatcher_code: np.ndarray, fused_codes: dict[int, str],
                          n_experts: Values, top_k: Values, tokens: Values, hidden: Values, load_factor: Values,
                          act_bytes: Values, dispatch_bytes: Values, share: Values = 1.0) -> FusedDispatchTimes:
@@ -279,18 +317,13 @@ def fused_dispatch_times(cluster: ClusterSpec, lay: LayoutLike, dispatcher_code:
     etp = np.asarray(lay.etp, dtype=float)
     shape = np.broadcast(ep, np.asarray(dispatcher_code)).shape
     zeros = np.zeros(shape)
-    times = {k: zeros.copy() for k in ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "sm")}
+    times = {k: zeros.copy() for k in ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd")}
     available = np.ones(shape, dtype=bool)
     code = np.broadcast_to(np.asarray(dispatcher_code), shape)
     if not np.any(np.isin(code, list(fused_codes))) or not np.any(ep > 1):
         return FusedDispatchTimes(zeros, zeros, zeros, zeros, zeros, available)
-    levels = group_levels(cluster, ep, etp)
-    span_level = np.full(shape, -1)
-    inner = np.ones(shape)
-    for j, (c_prev, _, fan, _, _) in enumerate(levels):
-        crossed = np.broadcast_to(fan > 1.0, shape)
-        span_level = np.where(crossed, j, span_level)
-        inner = np.where(crossed, np.broadcast_to(c_prev, shape), inner)
+    span_level, inner = _span_level(cluster, ep, etp, shape)
+    available, sm_fraction = fused_span_figures(cluster, lay, dispatcher_code, fused_codes)
     E, k = np.asarray(n_experts, dtype=float), np.asarray(top_k, dtype=float)
     T = np.asarray(tokens, dtype=float)
     h = np.asarray(hidden, dtype=float)
@@ -309,18 +342,16 @@ def fused_dispatch_times(cluster: ClusterSpec, lay: LayoutLike, dispatcher_code:
                 continue
             fig = cluster.ep_dispatch.get(name, {}).get(level.name)
             if fig is None:
-                available &= ~here
                 continue
             rows = off_node_rows if fig.traffic == "off_node" else received_rows
             for key, elem in (("dispatch_fwd", dispatch_bytes), ("combine_fwd", act_bytes),
                               ("dispatch_bwd", act_bytes), ("combine_bwd", act_bytes)):
                 seconds = (fig.latency_s + rows * h * elem / fig.bandwidth_bytes_per_s) * slowdown
                 times[key] = np.where(here, seconds, times[key])
-            times["sm"] = np.where(here, fig.sm_fraction, times["sm"])
     return FusedDispatchTimes(times["dispatch_fwd"], times["combine_fwd"], times["dispatch_bwd"], times["combine_bwd"],
-                              times["sm"], available)
+                              sm_fraction, available)
 
 
 __all__ = ["CLUSTER_SPANS", "COMPUTE_UNITS", "FusedDispatchTimes", "cluster_figures", "derive_figures",
            "dispatcher_problem",
-           "fused_dispatch_times", "load_measurements"]
+           "fused_dispatch_times", "fused_span_figures", "load_measurements"]

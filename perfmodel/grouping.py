@@ -20,6 +20,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+MIN_GROUPED_ROWS = 64
+"""Batches from this size are worked out once per distinct row by the formulas that group
+(`schedule.pipeline_stages`, `validity.split_fits_layers`); smaller ones row by row."""
+
 _MULTIPLIERS = np.random.default_rng(20250101).integers(1, 2**62, size=64, dtype=np.int64) | 1
 _FNV_PRIME = np.int64(1099511628211)
 _WORD_BITS = 62

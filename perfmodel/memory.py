@@ -99,6 +99,9 @@ from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 
 MEMORY_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "moe_buffers",
                      "fsdp_buffers", "framework")
+STATIC_COMPONENTS = ("weights", "gradients", "optimizer", "fsdp_buffers", "framework")
+"""The components that depend on the geometry, the stage and the sharding only (`stage_static_memory`):
+not on mbs, recompute, sequence parallel, gbs, the overlap switches or the dispatcher."""
 
 
 def stage_params(arch: ArchLike, lay: LayoutLike, counts: dict[str, Values]) -> tuple[Values, Values]:
@@ -220,14 +223,7 @@ def stage_memory(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec, stage: U
         stages = pipeline_stages(arch, lay)
         stage = stages[0] if stage == "first" else stages[1]
     counts = stage.counts if counts is None else counts
-    dense, experts = stage_params(arch, lay, counts) if params is None else params
-    shard_dense, shard_expert = shard_sizes(lay)
-    flavor = dp_flavor_code(lay)
-    fsdp = flavor == FSDP
-    sharded_opt = (flavor == ZERO1) | fsdp
-    w_bytes = weight_bytes(lay)
-    held = np.where(fsdp, dense / shard_dense + experts / shard_expert, dense + experts)
-    updated = np.where(sharded_opt, dense / shard_dense + experts / shard_expert, dense + experts)
+    static = stage_static_memory(arch, lay, cluster, counts, params)
 
     act = layer_activation_bytes(arch, lay) if activations is None else activations
     per_mb = (counts["attention"] * act["attention"] + counts["dense_ffn"] * act["dense_ffn"]
@@ -254,19 +250,33 @@ def stage_memory(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec, stage: U
     copies = sh["T_moe"] * np.asarray(arch.top_k, dtype=float)
     moe_buffers = np.where(counts["moe"] > 0, 2.0 * b * sh["M_exp"] * sh["h"] + b * copies * sh["h"], 0.0)
 
+    out = {"activations": activations_bytes, "logits": logits, "moe_buffers": moe_buffers,
+           **{k: np.zeros_like(activations_bytes) + v for k, v in static.items()}}
+    return {k: out[k] for k in MEMORY_COMPONENTS}
+
+
+def stage_static_memory(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec, counts: dict[str, Values],
+                        params: Optional[tuple[Values, Values]] = None) -> dict[str, Values]:
+    """The STATIC_COMPONENTS of `stage_memory` (bytes) of a stage holding `counts`: weights and fp32
+    gradients of the parameters a device holds (its dp shard under FSDP), optimizer state of those
+    it updates (its shard under ZeRO-1 and FSDP), FSDP's gathered-layer buffers (one mean layer's
+    parameters x (2 x gather bytes + fp32 gradient)), the framework's fixed overhead."""
+    dense, experts = stage_params(arch, lay, counts) if params is None else params
+    shard_dense, shard_expert = shard_sizes(lay)
+    flavor = dp_flavor_code(lay)
+    fsdp = flavor == FSDP
+    sharded_opt = (flavor == ZERO1) | fsdp
+    held = np.where(fsdp, dense / shard_dense + experts / shard_expert, dense + experts)
+    updated = np.where(sharded_opt, dense / shard_dense + experts / shard_expert, dense + experts)
     layers = np.maximum(counts["attention"], 1.0)
     layer_params = (dense + experts) / layers
     gather_bytes = np.where(precision_code(lay) == FP32, 4.0, 2.0)
-    fsdp_buffers = np.where(fsdp, layer_params * (2.0 * gather_bytes + FP32_GRAD_BYTES), 0.0)
     return {
-        "weights": w_bytes * held,
+        "weights": weight_bytes(lay) * held,
         "gradients": FP32_GRAD_BYTES * held,
         "optimizer": optimizer_bytes_per_param(lay) * updated,
-        "activations": activations_bytes,
-        "logits": logits,
-        "moe_buffers": moe_buffers,
-        "fsdp_buffers": fsdp_buffers,
-        "framework": np.zeros_like(activations_bytes) + cluster.framework_overhead_bytes,
+        "fsdp_buffers": np.where(fsdp, layer_params * (2.0 * gather_bytes + FP32_GRAD_BYTES), 0.0),
+        "framework": np.zeros_like(held) + cluster.framework_overhead_bytes,
     }
 
 

@@ -32,10 +32,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
+from perfmodel.grouping import MIN_GROUPED_ROWS, row_groups
 from perfmodel.memo import memoised
 from perfmodel.specs.architecture import ArchBatch, n_ffn_dense_layers
 from perfmodel.specs.cluster import ClusterSpec
@@ -139,6 +140,40 @@ def pipeline_stages(arch: ArchLike, lay: LayoutLike) -> list[Stage]:
             return _even_stages(arch, batch)
         if closed.any():
             return _merge_stages(arch, batch, closed)
+    if not single and len(batch) >= MIN_GROUPED_ROWS:
+        grouped = _grouped_stages(arch, batch)
+        if grouped is not None:
+            return grouped
+    return _general_stages(arch, batch, single)
+
+
+def _stage_columns(arch: ArchLike, batch: LayoutBatch) -> list[np.ndarray]:
+    """Every input of the general rule, one column per field (the layer counts, pp, vpp, the split
+    fields, FSDP or not)."""
+    n = len(batch)
+    cols = [np.broadcast_to(np.atleast_1d(np.asarray(v)), (n,)) for v in
+            (arch.n_layers, n_ffn_dense_layers(arch), arch.n_mtp_layers)]
+    cols += [np.asarray(getattr(batch, f)) for f in ("pp", "vpp", "first_stage_layers", "last_stage_layers",
+                                                       "account_embedding", "account_loss", "balanced_split",
+                                                       "dp_flavor")]
+    layout = np.asarray(batch.stage_layers)
+    return cols + [layout[:, j] for j in range(layout.shape[1])]
+
+
+def _grouped_stages(arch: ArchLike, batch: LayoutBatch) -> Optional[list[Stage]]:
+    """The general rule on the distinct rows (`grouping.row_groups`), gathered back; None when
+    more than half the rows differ."""
+    first, inverse = row_groups(_stage_columns(arch, batch))
+    if 2 * len(first) > len(batch):
+        return None
+    sub = arch.take(first) if isinstance(arch, ArchBatch) and np.size(arch.n_layers) == len(batch) else arch
+    return [Stage(np.asarray(st.rank)[inverse], {b: np.asarray(v)[inverse] for b, v in st.counts.items()}, st.timed)
+            for st in _general_stages(sub, batch.take(first), False)]
+
+
+def _general_stages(arch: ArchLike, batch: LayoutBatch, single: bool) -> list[Stage]:
+    """`pipeline_stages` by the general rule (module doc), every row on its own."""
+    lay = batch
     per_rank = rank_block_counts(arch, batch)
     n, width = per_rank["attention"].shape
     pp = np.broadcast_to(np.asarray(lay.pp, dtype=np.int64), (n,))

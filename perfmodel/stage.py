@@ -80,6 +80,13 @@ def hide(comm_s: Values, fraction: float, window_s: Values) -> tuple[Values, Val
     return hidden_s, window_s - hidden_s
 
 
+def hidden_ep_cost(sm_fraction: Values, overlap: Overlap) -> Values:
+    """Seconds of compute slowdown per hidden EP second: sm / (1 - sm) for a fused dispatcher
+    holding the share sm > 0 of the compute units (module doc), else `Overlap.compute_slowdown`."""
+    sm = np.asarray(sm_fraction, dtype=float)
+    return np.where(sm > 0, sm / (1.0 - np.minimum(sm, 0.99)), overlap.compute_slowdown)
+
+
 def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: CollectivePricer,
                 host: HostDispatch) -> tuple[StageTimes, StageParams]:
     """Per-micro-batch and per-step seconds of one pipeline stage (keys: the categories,
@@ -123,9 +130,7 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
     # compute beside hidden communication runs slower (`Overlap.compute_slowdown`); a fused
     # dispatcher's kernels instead hold sm_fraction of the compute units while hidden under
     # compute: that compute runs 1 / (1 - sm_fraction) longer
-    sm_fraction = stage.tables["moe"].get("ep_sm_fraction", 0.0)
-    fused = np.asarray(sm_fraction) > 0
-    stretch = np.where(fused, np.asarray(sm_fraction) / (1.0 - np.minimum(sm_fraction, 0.99)), overlap.compute_slowdown)
+    stretch = hidden_ep_cost(stage.tables["moe"].get("ep_sm_fraction", 0.0), overlap)
     fwd_slowdown_s = overlap.compute_slowdown * sum(hidden_s[f"fwd_{c}"] for c in HIDE_ORDER if c != "ep") \
         + stretch * hidden_s["fwd_ep"]
     bwd_slowdown_s = overlap.compute_slowdown * sum(hidden_s[f"bwd_{c}"] for c in HIDE_ORDER if c != "ep") \

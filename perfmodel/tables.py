@@ -34,7 +34,7 @@ import numpy as np
 
 from perfmodel.choice import select
 from perfmodel.comm import CollectivePricer
-from perfmodel.dispatch import FP8_DISPATCH_BYTES, fused_dispatch_times
+from perfmodel.dispatch import FP8_DISPATCH_BYTES, fused_dispatch_times, fused_span_figures
 from perfmodel.grouping import pack_columns, row_groups
 from perfmodel.hardware import HardwareView
 from perfmodel.operators import (
@@ -191,13 +191,24 @@ def block_table(arch: ArchLike, lay: LayoutLike, builder: Callable[[ArchLike, La
     return table
 
 
+FUSED_NAMES = {DEEPEP: "deepep", HYBRIDEP: "hybridep"}
+"""Dispatcher codes of the fused dispatchers -> their names in a cluster's `ep_dispatch`."""
+
+
+def fused_dispatch_figures(cluster: ClusterSpec, lay: LayoutLike) -> tuple[np.ndarray, np.ndarray]:
+    """Per layout row, (whether the cluster prices its dispatcher over the level its EP group
+    spans, the compute-unit share it holds there: the MoE table's `dispatch_missing` negated and
+    `ep_sm_fraction`): `perfmodel.dispatch.fused_span_figures`."""
+    return fused_span_figures(cluster, lay, np.asarray(dispatcher_code(lay)), FUSED_NAMES)
+
+
 def _fused_times(arch: ArchLike, lay: LayoutLike, pricer: CollectivePricer):  # -> FusedDispatchTimes
     """The fused dispatchers' four calls per MoE layer and micro-batch (`perfmodel.dispatch`)."""
     sh = shapes(arch, lay)
     b = activation_bytes(lay)
     dispatch_bytes = np.where(np.asarray(precision_code(lay)) >= FP8, FP8_DISPATCH_BYTES, b)
     return fused_dispatch_times(pricer.cluster, lay, np.asarray(dispatcher_code(lay)),
-                                {DEEPEP: "deepep", HYBRIDEP: "hybridep"}, np.asarray(arch.n_experts, dtype=float),
+                                FUSED_NAMES, np.asarray(arch.n_experts, dtype=float),
                                 np.asarray(arch.top_k, dtype=float), sh["T_moe"], sh["h"], sh["rows"], b,
                                 dispatch_bytes, 1.0 / pricer.slowdown)
 

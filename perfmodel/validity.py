@@ -15,6 +15,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from perfmodel.errors import InputError
+from perfmodel.grouping import MIN_GROUPED_ROWS, row_groups
 from perfmodel.operators import DDP, dispatcher_code, dp_flavor_code
 from perfmodel.specs.architecture import MoEArchitecture
 from perfmodel.specs.layout import DISPATCHERS, FUSED_DISPATCHERS, LayoutBatch, ParallelLayout
@@ -49,15 +50,34 @@ def _batch(lay: LayoutLike) -> LayoutBatch:
     return LayoutBatch.stack([lay]) if isinstance(lay, ParallelLayout) else lay
 
 
+SPLIT_INPUTS = ("pp", "vpp", "first_stage_layers", "last_stage_layers", "account_embedding", "account_loss",
+                "balanced_split", "stage_mtp")
+"""The layout columns `split_fits_layers` reads (with every column of `stage_layers`)."""
+
+
 def split_fits_layers(arch: ArchLike, lay: LayoutLike) -> Flag:
     """The pipeline split (`perfmodel.specs.stages`) gives every virtual stage >= 0 layers and
     adds up to n_layers (Megatron's divisibility rules fail this), and a layout string holds
-    one 'm' per MTP module."""
+    one 'm' per MTP module. Batches are worked out once per distinct input row (`row_groups`)."""
     batch = _batch(lay)
     n_layers = np.broadcast_to(np.atleast_1d(_a(arch.n_layers)).astype(np.int64), (max(len(batch), np.size(arch.n_layers)),))
     n = len(n_layers)
     if len(batch) != n:  # one layout for many architectures
         batch = batch.take(np.zeros(n, dtype=np.int64))
+    mtp_layers = np.broadcast_to(np.atleast_1d(_a(arch.n_mtp_layers)), (n,))
+    if n >= MIN_GROUPED_ROWS and not isinstance(lay, ParallelLayout):
+        layout = np.asarray(batch.stage_layers)
+        first, inverse = row_groups([n_layers, mtp_layers] + [np.asarray(getattr(batch, f)) for f in SPLIT_INPUTS]
+                                    + [layout[:, j] for j in range(layout.shape[1])])
+        if 2 * len(first) <= n:
+            return _split_fits(n_layers[first], mtp_layers[first], batch.take(first))[inverse]
+    ok = _split_fits(n_layers, mtp_layers, batch)
+    return ok if not isinstance(lay, ParallelLayout) else bool(ok[0])
+
+
+def _split_fits(n_layers: np.ndarray, mtp_layers: np.ndarray, batch: LayoutBatch) -> np.ndarray:
+    """`split_fits_layers` row by row."""
+    n = len(n_layers)
     stages = np.broadcast_to(np.asarray(batch.pp, dtype=np.int64) * np.asarray(batch.vpp, dtype=np.int64), (n,))
     default = np.broadcast_to(
         (np.asarray(batch.stage_layers)[:, 0] < 0) & (np.asarray(batch.first_stage_layers) < 0)
@@ -71,8 +91,7 @@ def split_fits_layers(arch: ArchLike, lay: LayoutLike) -> Flag:
         ok = ok.copy()
         ok[rest] = (table.sum(axis=1) == n_layers[rest]) & np.all(np.where(inside, table, 0.0) >= 0, axis=1)
     mtp = np.broadcast_to(np.asarray(batch.stage_mtp), (n,))
-    ok &= (mtp < 0) | (mtp == np.broadcast_to(np.atleast_1d(_a(arch.n_mtp_layers)), (n,)))
-    return ok if not isinstance(lay, ParallelLayout) else bool(ok[0])
+    return ok & ((mtp < 0) | (mtp == mtp_layers))
 
 
 def vpp_needs_pp(arch: ArchLike, lay: LayoutLike) -> Flag:

@@ -6,23 +6,29 @@ geometry that is the highest tokens/s). Pairs are built in vectorised chunks,
 filtered by the shared validity rules (`perfmodel.validity.valid_mask`), then
 pruned, exactly:
 
-  overlap dominance   a layout row with an overlap switch off whose sibling with it on
-                      is allowed is dropped from the grid (`overlap_dominated`: same
-                      validity, same memory, never slower while compute_slowdown <= 1)
+  unpriced dispatch   a grid row whose fused dispatcher the cluster has no figures for at
+                      the level its EP group spans is dropped (`evaluate` prices it for no
+                      geometry)
+  overlap dominance   a grid row with an overlap switch off whose sibling with it on is
+                      allowed and never slower is dropped (`overlap_dominated` states when)
+  switch sets         validity, memory, recompute dominance and the compute bound read no
+                      overlap switch (tested), so they are worked out once per set of rows
+                      equal but for the switches (`PairEvaluator.rep_grid`); only timing
+                      goes to each row
   memory pruning      memory per device from `perfmodel.memory.stage_memory` (the
                       formula `evaluate` uses, without the timing half): pairs above
                       usable HBM are infeasible and never timed. First its static part
-                      (weights, gradients, optimizer, buffers: independent of mbs,
-                      recompute and sequence parallel) on the distinct sharding keys,
-                      a lower bound that skips the full formula for hopeless pairs
+                      (`perfmodel.memory.stage_static_memory`: independent of mbs,
+                      recompute, sequence parallel, the switches and the dispatcher) on the
+                      distinct sharding keys, a lower bound that skips the full formula
   recompute dominance a pair whose layout differs from a memory-feasible pair of the
                       same geometry only by more activation recompute (none <
                       selective < full) cannot be faster (recompute only adds work),
                       so it is not timed
   compute bound       tokens/s <= `bounds.ComputeBound` (perfmodel's own per-block
-                      compute tables, cached per layer shape): the pair with the highest
-                      bound is timed first, then only pairs whose bound beats the best
-                      found; a geometry whose bound cannot reach the caller's floor is
+                      compute tables, cached per layer shape): the switch set with the
+                      highest bound is timed first, then only rows whose bound beats the
+                      best found; a geometry whose bound cannot reach the caller's floor is
                       left there (`exact` False)
 
 All prunings leave every geometry's best feasible tokens/s unchanged (tested:
@@ -41,23 +47,31 @@ import numpy as np
 
 import perfmodel
 from mosaic.planner.bounds import ComputeBound
-from perfmodel.memory import stage_memory
-from perfmodel.operators import dispatcher_code
+from perfmodel.grouping import row_groups
+from perfmodel.memory import stage_static_memory
+from perfmodel.operators import FSDP, dp_flavor_code
 from perfmodel.schedule import pipeline_stages
 from perfmodel.specs.architecture import ArchBatch
 from perfmodel.specs.cluster import ClusterSpec
-from perfmodel.specs.layout import LAYOUT_FIELDS, OVERLAP_FIELDS, RECOMPUTE_MODES, LayoutBatch, gbs_holding_tokens
-from perfmodel.validity import FUSED_CODES, RULES, valid_mask
+from perfmodel.specs.layout import (
+    DISPATCH_FIELDS,
+    LAYOUT_FIELDS,
+    OVERLAP_FIELDS,
+    RECOMPUTE_MODES,
+    LayoutBatch,
+    gbs_holding_tokens,
+)
+from perfmodel.stage import hidden_ep_cost
+from perfmodel.tables import fused_dispatch_figures
+from perfmodel.validity import RULES, valid_mask
 
 REASONS = perfmodel.REASONS
 MEMORY_REASON = REASONS.index("memory")
 
 ProgressFn = Callable[[int], None]
 
-STATIC_COMPONENTS = ("weights", "gradients", "optimizer", "fsdp_buffers", "framework")
-"""Memory components that depend on the geometry and the sharding only."""
-STATIC_FREE_FIELDS = ("mbs", "recompute", "sequence_parallel", "gbs")
-"""Layout fields the static components do not depend on (tested)."""
+STATIC_FREE_FIELDS = ("mbs", "recompute", "sequence_parallel", "gbs") + OVERLAP_FIELDS + DISPATCH_FIELDS
+"""Layout fields `perfmodel.memory.STATIC_COMPONENTS` do not depend on (tested)."""
 
 
 def memory_per_device(archs: ArchBatch, lays: LayoutBatch, cluster: ClusterSpec) -> np.ndarray:
@@ -80,44 +94,52 @@ def overlap_allowed(grid: LayoutBatch) -> np.ndarray:
     return allowed
 
 
-def overlap_dominated(grid: LayoutBatch) -> np.ndarray:
+def overlap_dominated(grid: LayoutBatch, cluster: ClusterSpec) -> np.ndarray:
     """Rows of `grid` dominated by a sibling with one more overlap switch on, every other field
     equal, that the overlap rules allow: that sibling is valid for exactly the geometries the row
-    is valid for, needs the same memory (memory does not read the switches) and is never slower
-    (each hidden second costs `Overlap.compute_slowdown` <= 1 instead of 1; a second of window
-    taken by one class is at most a second another class could have hidden; the host's dispatch
-    max(launches, device time) does not grow when device time falls). Rows with a fused
-    dispatcher are never dominated: their hidden EP seconds cost sm_fraction / (1 - sm_fraction)
-    (`perfmodel.stage`), not compute_slowdown, so one more switch on can displace cheaper hiding
-    (gb200_nvl72 hybridep: ep_comm_overlap on is 2.2% slower on an L16 h4096 E64 k8 model)."""
+    is valid for and needs the same memory (memory does not read the switches). A phase costs
+    compute + sum over classes of (comm_c - (1 - k_c) hidden_c), k_c the slowdown per hidden second
+    (`Overlap.compute_slowdown` = cs; for EP `perfmodel.stage.hidden_ep_cost` = k_ep, sm / (1 - sm)
+    for a fused dispatcher holding sm of the compute units), and a second of window a class takes
+    is at most a second the classes after it (`perfmodel.stage.HIDE_ORDER`, then the step's
+    gradient / parameter sync on what is left) lose. With cs <= 1 the sibling is never slower for
+    the gradient and parameter switches (they take only the window left, and the host's
+    max(launches, device time) does not grow when device time falls). tp_comm_overlap (where
+    k_ep >= cs: it may displace EP hiding) and ep_comm_overlap (where k_ep <= cs; gb200_nvl72
+    hybridep has k_ep > cs, EP overlap on is slower there) shorten the device time by at least
+    (1 - cs) x the window they take from the step's DDP / ZeRO-1 sync, but a launch-bound
+    micro-batch does not get shorter while that sync loses window (gb200_nvl72 tp 2 pp 2 zero1,
+    L16 h2048: tp overlap on is 1.6e-4 slower), so they dominate only rows with no such sync to
+    hide (FSDP, or both step-sync switches off)."""
     fields = list(LAYOUT_FIELDS)
     cols = grid.key_columns(fields)
     allowed = overlap_allowed(grid)
-    _, group = np.unique(np.delete(cols, [fields.index(f) for f in OVERLAP_FIELDS], axis=1), axis=0,
-                         return_inverse=True)
-    group = group.ravel()
+    _, group = row_groups(list(np.delete(cols, [fields.index(f) for f in OVERLAP_FIELDS], axis=1).T))
     flags = cols[:, [fields.index(f) for f in OVERLAP_FIELDS]]
     code = flags @ (1 << np.arange(len(OVERLAP_FIELDS)))
     key = group * (1 << len(OVERLAP_FIELDS)) + code
     order = np.argsort(key)
+    cs = cluster.overlap.compute_slowdown
+    k_ep = np.broadcast_to(hidden_ep_cost(fused_dispatch_figures(cluster, grid)[1], cluster.overlap), (len(cols),))
+    no_step_window = ((np.asarray(dp_flavor_code(grid)) == FSDP)
+                      | ~(np.asarray(grid.overlap_grad_reduce) | np.asarray(grid.overlap_param_gather)))
+    applies = {"tp_comm_overlap": (k_ep >= cs) & no_step_window, "ep_comm_overlap": (k_ep <= cs) & no_step_window}
     dominated = np.zeros(len(cols), dtype=bool)
-    for j in range(len(OVERLAP_FIELDS)):
+    for j, name in enumerate(OVERLAP_FIELDS):
         off = flags[:, j] == 0
         sib_key = key + (1 << j)
         pos = np.searchsorted(key[order], sib_key)
         pos = np.minimum(pos, len(order) - 1)
         found = key[order][pos] == sib_key
         sib = order[pos]
-        dominated |= off & found & allowed[sib]
-    return dominated & ~np.isin(np.asarray(dispatcher_code(grid)), FUSED_CODES)
+        dominated |= off & found & allowed[sib] & applies.get(name, True)
+    return dominated
 
 
 def recompute_siblings(grid: LayoutBatch) -> list[np.ndarray]:
     """For each layout, the indices of the same layout with less recompute (-1 where absent)."""
     key_fields = [f for f in LAYOUT_FIELDS if f not in ("recompute", "gbs")]
-    keys = grid.key_columns(key_fields)
-    _, group = np.unique(keys, axis=0, return_inverse=True)
-    group = group.ravel()
+    _, group = row_groups(list(grid.key_columns(key_fields).T))
     rec = np.asarray(grid.recompute)
     lookup = {(int(g), int(r)): i for i, (g, r) in enumerate(zip(group, rec))}
     out = []
@@ -206,7 +228,11 @@ _ARRAY_FIELDS = tuple(f.name for f in dataclasses.fields(GeometryResults)
 
 
 class PairEvaluator:
-    """Evaluates chunks of geometries against a fixed layout grid on one cluster and device count."""
+    """Evaluates chunks of geometries against a fixed layout grid on one cluster and device count.
+
+    With pruning, validity (but the overlap rules), memory, recompute dominance and the compute
+    bound are worked out once per switch set: the grid's rows equal but for the overlap switches,
+    which none of them reads (tested); only timing goes to each row."""
 
     def __init__(self, archs: ArchBatch, grid: LayoutBatch, cluster: ClusterSpec, devices: int, gbs_tokens: float,
                  prune: bool = True) -> None:
@@ -215,16 +241,30 @@ class PairEvaluator:
         self.hbm = cluster.accelerator.usable_hbm_bytes
         self.space_layouts = len(grid)
         """Layouts of the space's grid; `grid` keeps those no overlap sibling dominates (pruned)."""
+        if prune:
+            # a fused dispatcher over a level the cluster has no figures for is priced for no
+            # geometry (`evaluate`'s reason "dispatcher" for MoE models, ep > 1 invalid for dense)
+            grid = grid.take(np.flatnonzero(np.broadcast_to(fused_dispatch_figures(cluster, grid)[0], (len(grid),))))
         if prune and cluster.overlap.compute_slowdown <= 1.0:
-            grid = grid.take(np.flatnonzero(overlap_allowed(grid) & ~overlap_dominated(grid)))
-        self.siblings = recompute_siblings(grid)
+            grid = grid.take(np.flatnonzero(overlap_allowed(grid) & ~overlap_dominated(grid, cluster)))
         self.grid = grid
+        # one row per switch set (switches off: the overlap rules allow that everywhere)
+        fields = [f for f in LAYOUT_FIELDS if f not in OVERLAP_FIELDS]
+        first, rep_of = row_groups(list(grid.key_columns(fields).T))
+        off = {f: np.zeros(len(first), dtype=bool) for f in OVERLAP_FIELDS}
+        self.rep_grid = dataclasses.replace(grid.take(first), **off) if prune else grid
+        self.rep_of = rep_of if prune else np.arange(len(grid))
+        """Row of `rep_grid` of each grid row."""
+        self.width = len(self.rep_grid)
+        """Pairs one geometry builds (`rep_grid` rows): what a chunk of geometries is sized by."""
+        self.siblings = recompute_siblings(self.rep_grid)
         key_fields = [f for f in LAYOUT_FIELDS if f not in STATIC_FREE_FIELDS]
-        keys = grid.key_columns(key_fields)
-        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-        self.key_grid = dataclasses.replace(grid.take(first), gbs=np.asarray(grid.mbs)[first] * np.asarray(grid.dp)[first])
-        self.key_of_layout = inverse.ravel()
-        self.bound = ComputeBound(archs, grid, cluster, devices) if prune else None
+        first, inverse = row_groups(list(self.rep_grid.key_columns(key_fields).T))
+        reps = self.rep_grid
+        self.key_grid = dataclasses.replace(reps.take(first), gbs=np.asarray(reps.mbs)[first] * np.asarray(reps.dp)[first])
+        self.key_of_layout = inverse
+        """Row of `key_grid` of each `rep_grid` row."""
+        self.bound = ComputeBound(archs, self.rep_grid, cluster, devices) if prune else None
         self.counts = {"built": 0, "timed": 0}
         """Pairs built and pairs timed by this evaluator's runs (in this process)."""
         self.bound_violated = False
@@ -232,28 +272,40 @@ class PairEvaluator:
         self.max_mfu_seen = 0.0
 
     def static_memory(self, geo_index: np.ndarray) -> np.ndarray:
-        """Lower bound of memory per device for each (geometry, layout): the parts that do not
-        depend on mbs, recompute, sequence parallel or gbs (weights, gradients, optimizer, FSDP
-        buffers, framework), from `perfmodel.memory.stage_memory` on the distinct layout keys."""
+        """Lower bound of memory per device for each (geometry, `rep_grid` row): the parts that do
+        not depend on mbs, recompute, sequence parallel, gbs or the switches (weights, gradients,
+        optimizer, FSDP buffers, framework), from `perfmodel.memory.stage_static_memory` on the distinct
+        layout keys."""
         n_g, n_k = len(geo_index), len(self.key_grid)
         g = np.repeat(geo_index, n_k)
         k = np.tile(np.arange(n_k), n_g)
         archs, lays = self.archs.take(g), self.key_grid.take(k)
         static = np.zeros(n_g * n_k)
         for stage in pipeline_stages(archs, lays):
-            parts = stage_memory(archs, lays, self.cluster, stage)
-            static = np.maximum(static, sum(parts[c] for c in STATIC_COMPONENTS))
+            parts = stage_static_memory(archs, lays, self.cluster, stage.counts)
+            static = np.maximum(static, sum(parts.values()))
         static = static.reshape(n_g, n_k)
         return static[:, self.key_of_layout]
 
-    def pairs(self, geo_index: np.ndarray) -> tuple[ArchBatch, LayoutBatch, np.ndarray, np.ndarray]:
-        n_l = len(self.grid)
+    def pairs(self, geo_index: np.ndarray, grid: Optional[LayoutBatch] = None
+              ) -> tuple[ArchBatch, LayoutBatch, np.ndarray, np.ndarray]:
+        """(archs, layouts with their gbs, geometry index, layout row) of every (geometry, row of
+        `grid`) pair, geometry-major (default grid: `self.grid`)."""
+        grid = self.grid if grid is None else grid
+        n_l = len(grid)
         g = np.repeat(geo_index, n_l)
         lay_i = np.tile(np.arange(n_l), len(geo_index))
         archs = self.archs.take(g)
-        lays = self.grid.take(lay_i)
+        lays = grid.take(lay_i)
         lays = dataclasses.replace(lays, gbs=gbs_holding_tokens(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
         return archs, lays, g, lay_i
+
+    def _grid_pairs(self, geo_index: np.ndarray, flat: np.ndarray) -> tuple[ArchBatch, LayoutBatch]:
+        """The (geometry, grid row) pairs at flat positions `flat` of the geometry-major pair matrix."""
+        n_l = len(self.grid)
+        archs = self.archs.take(geo_index[flat // n_l])
+        lays = self.grid.take(flat % n_l)
+        return archs, dataclasses.replace(lays, gbs=gbs_holding_tokens(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
 
     def run(self, geo_index: np.ndarray, progress: Optional[ProgressFn] = None,
             floor: Optional[np.ndarray] = None) -> GeometryResults:
@@ -261,16 +313,13 @@ class PairEvaluator:
         matter to the caller (None: all matter); a geometry whose bound stays at or below it is
         returned with `exact` False (its best is at most the floor, not searched further)."""
         geo_index = np.asarray(geo_index, dtype=np.int64)
-        n_g, n_l = len(geo_index), len(self.grid)
+        n_g, n_l, n_r = len(geo_index), len(self.grid), len(self.rep_grid)
         floor_g = np.zeros(n_g) if floor is None else np.asarray(floor, dtype=float)
         self.counts["built"] += n_g * n_l
-        archs, lays, g_of, l_of = self.pairs(geo_index)
-        valid = valid_mask(archs, lays, self.devices)
-        valid_m = valid.reshape(n_g, n_l)
-        memory = np.full(n_g * n_l, np.inf)
         tokens = np.zeros(n_g * n_l)
         mfu = np.zeros(n_g * n_l)
         step = np.full(n_g * n_l, np.inf)
+        gbs = np.zeros(n_g * n_l, dtype=np.int64)
         stats = {"dominated": np.zeros(n_g, dtype=np.int64), "bounded": np.zeros(n_g, dtype=np.int64)}
         exact = np.ones(n_g, dtype=bool)
         bound_ok = np.ones(n_g, dtype=bool)
@@ -279,73 +328,86 @@ class PairEvaluator:
         def time_pairs(idx: np.ndarray) -> None:
             if not len(idx):
                 return
-            res = perfmodel.evaluate(archs.take(idx), lays.take(idx), self.cluster, self.devices)
+            archs, lays = self._grid_pairs(geo_index, idx)
+            res = perfmodel.evaluate(archs, lays, self.cluster, self.devices)
             self.counts["timed"] += len(idx)
             ok = res.feasible
             tokens[idx] = np.where(ok, res.tokens_per_s, 0.0)
             mfu[idx] = np.where(ok, res.mfu, 0.0)
             step[idx] = np.where(ok, res.step_time_s, np.inf)
+            gbs[idx] = np.asarray(lays.gbs)
             if np.any(ok):
                 self.max_mfu_seen = max(self.max_mfu_seen, float(np.max(res.mfu[ok])))
             results.append((idx, res))
 
         if self.prune:
-            dominated = np.zeros_like(valid_m)
+            archs, lays, g_of, r_of = self.pairs(geo_index, self.rep_grid)
+            valid_r = valid_mask(archs, lays, self.devices).reshape(n_g, n_r)
+            memory_r = np.full(n_g * n_r, np.inf)
+            dominated_r = np.zeros_like(valid_r)
             static = self.static_memory(geo_index)
-            candidate = valid_m & (static <= self.hbm)
-            ub = np.zeros(n_g * n_l)
+            candidate = valid_r & (static <= self.hbm)
+            ub = np.zeros(n_g * n_r)
             c_idx = np.flatnonzero(candidate.ravel())
             if len(c_idx) and self.bound is None:
                 ub[c_idx] = np.inf
             elif len(c_idx):
-                ub[c_idx] = self.bound.tokens_per_s(g_of[c_idx], l_of[c_idx], archs.take(c_idx), lays.take(c_idx))
-            ub_m = ub.reshape(n_g, n_l)
-            above = candidate & (ub_m > floor_g[:, None])
-            exact &= ~np.any(candidate & ~above, axis=1)  # provisional: restored below where the best beats the floor
-            stats["bounded"] += (candidate & ~above).sum(axis=1)
-            fits = np.zeros_like(valid_m)
-            rec = np.asarray(self.grid.recompute)
+                ub[c_idx] = self.bound.tokens_per_s(g_of[c_idx], r_of[c_idx], archs.take(c_idx), lays.take(c_idx))
+            ub_r = ub.reshape(n_g, n_r)
+            above = candidate & (ub_r > floor_g[:, None])
+            fits_r = np.zeros_like(valid_r)
+            rec = np.asarray(self.rep_grid.recompute)
             for level in range(len(RECOMPUTE_MODES)):
-                at_level = above & ~dominated & (rec == level)[None, :]
+                at_level = above & ~dominated_r & (rec == level)[None, :]
                 idx = np.flatnonzero(at_level.ravel())
                 if len(idx):
-                    memory[idx] = memory_per_device(archs.take(idx), lays.take(idx), self.cluster)
-                fits |= at_level & (memory.reshape(n_g, n_l) <= self.hbm)
+                    memory_r[idx] = memory_per_device(archs.take(idx), lays.take(idx), self.cluster)
+                fits_r |= at_level & (memory_r.reshape(n_g, n_r) <= self.hbm)
                 # its twin at this recompute level fits: a layout with more recompute is dominated
                 # (recompute adds R seconds and widens the overlap windows by at most R)
                 sib = self.siblings[level]
                 has = sib >= 0
-                dominated[:, has] |= fits[:, sib[has]]
+                dominated_r[:, has] |= fits_r[:, sib[has]]
+            skipped = valid_r.ravel() & ~np.isfinite(memory_r)
+            memory_r[skipped] = static.ravel()[skipped]  # a lower bound where the full formula was skipped
+            # to the grid's rows: every switch variant of a row shares its validity, memory and bound
+            rep = self.rep_of
+            valid_m, fits, dominated = valid_r[:, rep], fits_r[:, rep], dominated_r[:, rep]
+            ub_m, mem_m = ub_r[:, rep], memory_r.reshape(n_g, n_r)[:, rep]
+            candidate_m, above_m = candidate[:, rep], above[:, rep]
+            exact &= ~np.any(candidate_m & ~above_m, axis=1)  # provisional: restored below where the best beats the floor
+            stats["bounded"] += (candidate_m & ~above_m).sum(axis=1)
             todo = fits & ~dominated
             stats["dominated"] += (valid_m & dominated).sum(axis=1)
-            # time the pair with the highest bound first, then every pair whose bound beats the best found
+            # time the switch set with the highest bound first, then every row whose bound beats the best found
             masked = np.where(todo, ub_m, -np.inf)
             first = np.argmax(masked, axis=1)
             has = np.isfinite(masked[np.arange(n_g), first])
-            time_pairs(np.flatnonzero(has) * n_l + first[has])
-            best = tokens.reshape(n_g, n_l).max(axis=1)
             timed = np.zeros_like(valid_m)
-            timed[np.flatnonzero(has), first[has]] = True
+            timed[np.flatnonzero(has)] = todo[np.flatnonzero(has)] & (rep[None, :] == rep[first[has]][:, None])
+            time_pairs(np.flatnonzero(timed.ravel()))
+            best = tokens.reshape(n_g, n_l).max(axis=1)
             rest = todo & ~timed & (ub_m > best[:, None])
             time_pairs(np.flatnonzero(rest.ravel()))
             timed |= rest
             stats["bounded"] += (todo & ~timed).sum(axis=1)
-            beat = (tokens > ub * (1.0 + 1e-9)).reshape(n_g, n_l) & timed
+            beat = (tokens > ub_m.ravel() * (1.0 + 1e-9)).reshape(n_g, n_l) & timed
             bound_ok = ~np.any(beat, axis=1)
             self.bound_violated |= not bool(np.all(bound_ok))
-            skipped = valid & ~np.isfinite(memory)
-            memory[skipped] = static.ravel()[skipped]  # a lower bound where the full formula was skipped
             best = tokens.reshape(n_g, n_l).max(axis=1)
             exact |= best > floor_g
         else:
+            archs, lays, _, _ = self.pairs(geo_index)
+            valid = valid_mask(archs, lays, self.devices)
+            valid_m = valid.reshape(n_g, n_l)
+            memory = np.full(n_g * n_l, np.inf)
             v_idx = np.flatnonzero(valid)
             memory[v_idx] = memory_per_device(archs.take(v_idx), lays.take(v_idx), self.cluster)
-            fits = valid_m & (memory.reshape(n_g, n_l) <= self.hbm)
-            todo = valid_m.copy()
-            time_pairs(np.flatnonzero(todo.ravel()))
+            mem_m = memory.reshape(n_g, n_l)
+            fits = valid_m & (mem_m <= self.hbm)
+            time_pairs(v_idx)
         if progress is not None:
             progress(n_g * n_l)
-        mem_m = memory.reshape(n_g, n_l)
         tok_m = tokens.reshape(n_g, n_l)
         best = np.argmax(tok_m, axis=1)
         rows = np.arange(n_g)
@@ -367,11 +429,11 @@ class PairEvaluator:
         return GeometryResults(
             index=geo_index,
             best_layout=best_layout,
-            best_gbs=np.where(has_best, np.asarray(lays.gbs)[flat_best], 0),
+            best_gbs=np.where(has_best, gbs[flat_best], 0),
             tokens_per_s=np.where(has_best, tokens[flat_best], 0.0),
             mfu=np.where(has_best, mfu[flat_best], 0.0),
             step_time_s=np.where(has_best, step[flat_best], np.inf),
-            memory_bytes=np.where(has_best, memory[flat_best], np.inf),
+            memory_bytes=np.where(has_best, mem_m[rows, best], np.inf),
             min_memory_bytes=mem_m[rows, min_mem_l],
             min_memory_layout=np.where(np.isfinite(mem_m[rows, min_mem_l]), min_mem_l, -1),
             n_valid=valid_m.sum(axis=1),

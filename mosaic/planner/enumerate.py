@@ -29,7 +29,6 @@ from typing import Optional
 import numpy as np
 
 from mosaic.planner import law as lawmod
-from mosaic.planner import problem as problem_mod
 from mosaic.planner.candidates import GeometryResults
 from mosaic.planner.problem import Problem, init_worker
 
@@ -50,6 +49,9 @@ class Ranked:
     only until their compute bound fell below the tokens the threshold needs (`bounded`)."""
     bounded_geometries: int = 0
     """Of the pruned: geometries whose pairs were built, then left at their floor."""
+    exact_top: int = 0
+    """The leading entries known to be the exact best (the `top` searched for; later entries are
+    what else was evaluated, not necessarily the next best)."""
 
 
 def bounds_failed(problem: Problem, res: GeometryResults) -> bool:
@@ -70,7 +72,7 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
     lb = problem.loss_lower_bound()[index] if use_bounds else np.full(len(index), -np.inf)
     order = index[np.argsort(lb, kind="stable")]
     lb_sorted = np.sort(lb, kind="stable")
-    per_chunk = max(1, problem_mod.CHUNK_PAIRS // max(len(problem.evaluator.grid), 1)) * max(1, workers)
+    per_chunk = problem.chunk_geometries() * max(1, workers)
     collected: list[GeometryResults] = []
     losses: list[np.ndarray] = []
     threshold = math.inf
@@ -114,7 +116,7 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
     order2 = np.lexsort((res.index, loss))
     return Ranked(index=res.index[order2], loss=loss[order2], tokens=problem.tokens_in_budget(res.tokens_per_s)[order2],
                   results=res.take(order2), evaluated=len(res.index), pairs_seen=pairs,
-                  pruned_geometries=len(index) - len(res.index), bounded_geometries=bounded)
+                  pruned_geometries=len(index) - len(res.index), bounded_geometries=bounded, exact_top=top)
 
 
 def rank_compute_optimal(problem: Problem, subset: Optional[np.ndarray] = None) -> Ranked:

@@ -47,7 +47,6 @@ from typing import Any, Optional
 import numpy as np
 
 from mosaic.planner import law as lawmod
-from mosaic.planner import problem as problem_mod
 from mosaic.planner.candidates import GeometryResults
 from mosaic.planner.enumerate import Ranked, bounds_failed
 from mosaic.planner.problem import Problem
@@ -329,7 +328,7 @@ def presolve_geometries(problem: Problem, subset: Optional[np.ndarray] = None,
     index = np.arange(len(problem.geoms)) if subset is None else np.asarray(subset, dtype=np.int64)
     lb = problem.loss_lower_bound()[index]
     order = index[np.argsort(lb, kind="stable")]
-    per_chunk = max(1, problem_mod.CHUNK_PAIRS // max(len(problem.evaluator.grid), 1))
+    per_chunk = problem.chunk_geometries()
     incumbent = np.inf
     start, found = 0, 0
     while start < len(order) and found < INCUMBENT_CHUNKS and lb[np.argsort(lb, kind="stable")][start] < incumbent:

@@ -282,7 +282,12 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
                               "layouts_per_geometry": len(problem.evaluator.grid),
                               "space_layouts": problem.evaluator.space_layouts}
     if solver == "enumerate":
-        ranked = rank_cluster_optimal(problem, top=top + 1, progress=progress, workers=workers)
+        # the decision widens to MAX_CANDIDATES where its band is not settled (it is on the bundled
+        # spaces): one search that deep costs less than a narrow one and a wide one after it
+        from mosaic.planner.uncertainty import MAX_CANDIDATES
+
+        ranked = rank_cluster_optimal(problem, top=max(top + 1, MAX_CANDIDATES) if decide else top + 1,
+                                      progress=progress, workers=workers)
     else:
         from mosaic.planner import minlp
 

@@ -39,7 +39,7 @@ from perfmodel.errors import InputError, SolverError
 from perfmodel.specs.architecture import model_flops_per_token
 from perfmodel.specs.cluster import ClusterSpec
 
-CHUNK_PAIRS = 65536
+CHUNK_PAIRS = 262144
 """(geometry x layout) pairs per vectorised chunk (the enumeration reads it too)."""
 
 
@@ -141,6 +141,10 @@ class Problem:
         return tokens * (1.0 - 1e-9) / (self.eta * self.budget.wall_time_s)
 
     # -- the layout search, cached per geometry -----------------------------------------
+    def chunk_geometries(self) -> int:
+        """Geometries per vectorised chunk: CHUNK_PAIRS pairs of the evaluator's width."""
+        return max(1, CHUNK_PAIRS // max(self.evaluator.width, 1))
+
     def evaluate(self, index: np.ndarray, progress: Optional[Callable[[int], None]] = None,
                  pool: Optional[ProcessPoolExecutor] = None, floor: Optional[np.ndarray] = None) -> GeometryResults:
         """Best feasible layout of each geometry in `index` (PairEvaluator), searched once per geometry.
@@ -151,7 +155,7 @@ class Problem:
         missing = np.asarray([i for i in dict.fromkeys(index.tolist()) if int(i) not in self._cache], dtype=np.int64)
         fresh: dict[int, tuple[GeometryResults, int]] = {}
         if len(missing):
-            per_chunk = max(1, CHUNK_PAIRS // max(len(self.evaluator.grid), 1))
+            per_chunk = self.chunk_geometries()
             chunks = [missing[i:i + per_chunk] for i in range(0, len(missing), per_chunk)]
             floors = [np.asarray([floor_of.get(int(g), 0.0) for g in c]) for c in chunks]
             if pool is not None and len(chunks) > 1:

@@ -216,8 +216,9 @@ def decide(problem: Problem, ranked: Ranked, top: int, workers: int = 1) -> tupl
         settled = len(ok) < wide or not np.any(stats["p_beats_best"][outer] >= P_INDISTINGUISHABLE)
         if settled or wide >= MAX_CANDIDATES:
             break
-        wide = MAX_CANDIDATES  # one wider exact search: the MAX_CANDIDATES best
-        cands = rank_cluster_optimal(problem, top=wide, workers=workers)
+        wide = MAX_CANDIDATES  # one wider exact search: the MAX_CANDIDATES best (unless `ranked` holds them)
+        if ranked.exact_top < wide:
+            cands = rank_cluster_optimal(problem, top=wide, workers=workers)
     capped = not settled
     indist = np.flatnonzero(stats["p_beats_best"] >= P_INDISTINGUISHABLE)
     indist = indist[indist != 0]

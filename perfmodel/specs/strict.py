@@ -196,7 +196,7 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as exc:
         raise InputError(f"{file}: cannot read ({exc.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - safe either way; libyaml when present
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -11,13 +11,13 @@ import pytest
 import perfmodel
 from mosaic.planner import build_problem
 from mosaic.planner import problem as problem_mod
-from mosaic.planner.candidates import STATIC_COMPONENTS, memory_per_device
+from mosaic.planner.candidates import STATIC_FREE_FIELDS, memory_per_device
 from mosaic.planner.enumerate import rank_cluster_optimal, rank_compute_optimal
 from mosaic.planner.plan import solve
 from perfmodel.errors import InfeasibleError
-from perfmodel.memory import stage_memory
+from perfmodel.memory import STATIC_COMPONENTS, stage_memory
 from perfmodel.specs.architecture import model_flops_per_token, total_params
-from perfmodel.specs.layout import OVERLAP_FIELDS, LayoutBatch, ParallelLayout
+from perfmodel.specs.layout import DISPATCH_FIELDS, DISPATCHERS, OVERLAP_FIELDS, LayoutBatch, ParallelLayout
 
 
 def _problem(law, space, prune=True, devices=64, days=5.0, cluster="h100"):
@@ -84,12 +84,16 @@ def test_static_memory_is_a_lower_bound_independent_of_batch_and_recompute(law, 
     p = _problem(law, space)
     ev = p.evaluator
     idx = np.arange(len(p.geoms))
-    archs, lays, _, _ = ev.pairs(idx)
-    full = memory_per_device(archs, lays, p.cluster).reshape(len(idx), len(ev.grid))
+    archs, lays, _, _ = ev.pairs(idx, ev.rep_grid)
+    full = memory_per_device(archs, lays, p.cluster).reshape(len(idx), len(ev.rep_grid))
     static = ev.static_memory(idx)
     assert np.all(static <= full * (1 + 1e-12))
     variants = [dataclasses.replace(lays, mbs=lays.mbs * 2), dataclasses.replace(lays, recompute=(lays.recompute + 1) % 3),
-                dataclasses.replace(lays, sequence_parallel=~lays.sequence_parallel), dataclasses.replace(lays, gbs=lays.gbs * 2)]
+                dataclasses.replace(lays, sequence_parallel=~lays.sequence_parallel), dataclasses.replace(lays, gbs=lays.gbs * 2),
+                dataclasses.replace(lays, dispatcher=(lays.dispatcher + 1) % len(DISPATCHERS)),
+                dataclasses.replace(lays, capacity_factor=np.full(len(lays), 1.25), pad_to_capacity=~lays.pad_to_capacity),
+                dataclasses.replace(lays, **{f: ~np.asarray(getattr(lays, f)) for f in OVERLAP_FIELDS})]
+    assert set(STATIC_FREE_FIELDS) <= {"mbs", "recompute", "sequence_parallel", "gbs", *DISPATCH_FIELDS, *OVERLAP_FIELDS}
     for stage in ("first", "last"):
         base = sum(stage_memory(archs, lays, p.cluster, stage)[c] for c in STATIC_COMPONENTS)
         for v in variants:
@@ -142,5 +146,7 @@ def test_process_parallel_search_gives_the_same_answer(law, space, monkeypatch):
 def test_progress_counts_every_candidate_seen(law, space, monkeypatch):
     monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 500)
     seen = []
-    ranked = rank_cluster_optimal(_problem(law, space), top=2, progress=seen.append)
-    assert sum(seen) == ranked.pairs_seen == (ranked.evaluated + ranked.bounded_geometries) * 72 and len(seen) > 1
+    p = _problem(law, space)
+    ranked = rank_cluster_optimal(p, top=2, progress=seen.append)
+    layouts = len(p.evaluator.grid)
+    assert sum(seen) == ranked.pairs_seen == (ranked.evaluated + ranked.bounded_geometries) * layouts and len(seen) > 1

@@ -209,7 +209,7 @@ def test_the_search_picks_the_split_and_dispatcher_that_run_fastest(law, make_sp
     space = space.replace_layout(tp=(1,), pp=(2, 4), ep=(8,), recompute=("none",), dp_flavor=("zero1",),
                                  pipeline_split=("default", "balanced"), dispatcher=("alltoall", "allgather"))
     problem = build_problem("h100", devices=64, days=5, fit=law, space=space)
-    assert len(problem.evaluator.grid) == 2 * 2 * 2  # (pp 2, 4) x (default, balanced) x (alltoall, allgather)
+    assert len(problem.evaluator.rep_grid) == 2 * 2 * 2  # (pp 2, 4) x (default, balanced) x (alltoall, allgather)
     chosen = solve(problem, top=1).cluster_optimal
     rate = chosen.predicted["tokens_per_s"]
     for changes in ({"balanced_split": not chosen.layout.balanced_split},
