@@ -168,6 +168,20 @@ RULES: tuple[tuple[str, Callable[[ArchLike, LayoutLike], Flag], str], ...] = (
 )
 
 
+LAYOUT_ONLY_RULES = ("vpp_needs_pp", "tp_overlap_needs_tp", "ep_overlap_needs_ep", "param_gather_overlap_needs_sharding",
+                     "fused_dispatch_etp")
+"""The rules that read the layout alone (tested): true or false of a layout row for every model."""
+
+
+def layout_rules_ok(lay: LayoutLike) -> np.ndarray:
+    """The LAYOUT_ONLY_RULES of each layout row."""
+    ok = np.ones(len(_batch(lay)), dtype=bool)
+    for name, rule, _ in RULES:
+        if name in LAYOUT_ONLY_RULES:
+            ok &= np.asarray(rule(None, lay), dtype=bool)
+    return ok
+
+
 def valid_mask(arch: ArchLike, lay: LayoutLike, devices: ArrayLike) -> np.ndarray:
     """All rules at once over arrays (what the search uses)."""
     ok = np.asarray(world_matches(arch, lay, devices), dtype=bool)

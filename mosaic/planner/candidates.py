@@ -63,7 +63,7 @@ from perfmodel.specs.layout import (
 )
 from perfmodel.stage import hidden_ep_cost
 from perfmodel.tables import fused_dispatch_figures
-from perfmodel.validity import RULES, valid_mask
+from perfmodel.validity import RULES, layout_rules_ok, valid_mask
 
 REASONS = perfmodel.REASONS
 MEMORY_REASON = REASONS.index("memory")
@@ -255,8 +255,17 @@ class PairEvaluator:
         self.rep_grid = dataclasses.replace(grid.take(first), **off) if prune else grid
         self.rep_of = rep_of if prune else np.arange(len(grid))
         """Row of `rep_grid` of each grid row."""
-        self.width = len(self.rep_grid)
-        """Pairs one geometry builds (`rep_grid` rows): what a chunk of geometries is sized by."""
+        # validity reads the dispatch fields only through layout-only rules: one row per dispatch set
+        dispatch_free = [f for f in LAYOUT_FIELDS if f not in OVERLAP_FIELDS + DISPATCH_FIELDS]
+        first, self.valid_of = row_groups(list(self.rep_grid.key_columns(dispatch_free).T))
+        plain = {"dispatcher": np.zeros(len(first), dtype=np.int64),
+                 "capacity_factor": np.zeros(len(first)), "pad_to_capacity": np.zeros(len(first), dtype=bool)}
+        self.valid_grid = dataclasses.replace(self.rep_grid.take(first), **plain)
+        """`rep_grid` with the dispatch fields at their defaults, one row per set of rows equal but for them."""
+        self.layout_ok = layout_rules_ok(self.rep_grid)
+        """The layout-only rules of each `rep_grid` row (those that read the dispatch fields)."""
+        self.width = len(self.valid_grid)
+        """Pairs one geometry builds (`valid_grid` rows): what a chunk of geometries is sized by."""
         self.siblings = recompute_siblings(self.rep_grid)
         key_fields = [f for f in LAYOUT_FIELDS if f not in STATIC_FREE_FIELDS]
         first, inverse = row_groups(list(self.rep_grid.key_columns(key_fields).T))
@@ -300,11 +309,14 @@ class PairEvaluator:
         lays = dataclasses.replace(lays, gbs=gbs_holding_tokens(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
         return archs, lays, g, lay_i
 
-    def _grid_pairs(self, geo_index: np.ndarray, flat: np.ndarray) -> tuple[ArchBatch, LayoutBatch]:
-        """The (geometry, grid row) pairs at flat positions `flat` of the geometry-major pair matrix."""
-        n_l = len(self.grid)
+    def _grid_pairs(self, geo_index: np.ndarray, flat: np.ndarray, grid: Optional[LayoutBatch] = None
+                    ) -> tuple[ArchBatch, LayoutBatch]:
+        """The (geometry, row of `grid`) pairs at flat positions `flat` of the geometry-major pair
+        matrix (default grid: `self.grid`)."""
+        grid = self.grid if grid is None else grid
+        n_l = len(grid)
         archs = self.archs.take(geo_index[flat // n_l])
-        lays = self.grid.take(flat % n_l)
+        lays = grid.take(flat % n_l)
         return archs, dataclasses.replace(lays, gbs=gbs_holding_tokens(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
 
     def run(self, geo_index: np.ndarray, progress: Optional[ProgressFn] = None,
@@ -341,8 +353,19 @@ class PairEvaluator:
             results.append((idx, res))
 
         if self.prune:
-            archs, lays, g_of, r_of = self.pairs(geo_index, self.rep_grid)
-            valid_r = valid_mask(archs, lays, self.devices).reshape(n_g, n_r)
+            if 2 * len(self.valid_grid) <= n_r:  # few dispatch sets: validity on them, the pairs timed built apart
+                archs, lays, _, _ = self.pairs(geo_index, self.valid_grid)
+                valid_r = valid_mask(archs, lays, self.devices).reshape(n_g, -1)[:, self.valid_of] & self.layout_ok[None, :]
+                del archs, lays
+
+                def rep_pairs(flat: np.ndarray) -> tuple[ArchBatch, LayoutBatch]:
+                    return self._grid_pairs(geo_index, flat, self.rep_grid)
+            else:  # one pair batch serves validity and the subsets
+                archs, lays, _, _ = self.pairs(geo_index, self.rep_grid)
+                valid_r = valid_mask(archs, lays, self.devices).reshape(n_g, n_r)
+
+                def rep_pairs(flat: np.ndarray) -> tuple[ArchBatch, LayoutBatch]:
+                    return archs.take(flat), lays.take(flat)
             memory_r = np.full(n_g * n_r, np.inf)
             dominated_r = np.zeros_like(valid_r)
             static = self.static_memory(geo_index)
@@ -352,7 +375,7 @@ class PairEvaluator:
             if len(c_idx) and self.bound is None:
                 ub[c_idx] = np.inf
             elif len(c_idx):
-                ub[c_idx] = self.bound.tokens_per_s(g_of[c_idx], r_of[c_idx], archs.take(c_idx), lays.take(c_idx))
+                ub[c_idx] = self.bound.tokens_per_s(geo_index[c_idx // n_r], c_idx % n_r, *rep_pairs(c_idx))
             ub_r = ub.reshape(n_g, n_r)
             above = candidate & (ub_r > floor_g[:, None])
             fits_r = np.zeros_like(valid_r)
@@ -361,7 +384,7 @@ class PairEvaluator:
                 at_level = above & ~dominated_r & (rec == level)[None, :]
                 idx = np.flatnonzero(at_level.ravel())
                 if len(idx):
-                    memory_r[idx] = memory_per_device(archs.take(idx), lays.take(idx), self.cluster)
+                    memory_r[idx] = memory_per_device(*rep_pairs(idx), self.cluster)
                 fits_r |= at_level & (memory_r.reshape(n_g, n_r) <= self.hbm)
                 # its twin at this recompute level fits: a layout with more recompute is dominated
                 # (recompute adds R seconds and widens the overlap windows by at most R)

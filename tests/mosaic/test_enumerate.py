@@ -31,9 +31,13 @@ def test_enumeration_matches_a_brute_force_loop(law, space):
     lay_space = space.layout
     layouts = []
     overlaps = itertools.product(*(getattr(lay_space, key) for key in OVERLAP_FIELDS))
-    for tp, pp, ep, flavor, rec, ov in itertools.product((1, 2), (1, 2), lay_space.ep, lay_space.dp_flavor,
-                                                         lay_space.recompute, list(overlaps)):
+    for tp, pp, ep, flavor, rec, ov, dispatcher, split in itertools.product(
+            (1, 2), (1, 2), lay_space.ep, lay_space.dp_flavor, lay_space.recompute, list(overlaps),
+            lay_space.dispatcher, lay_space.pipeline_split):
+        if (ep == 1 and dispatcher != "alltoall") or (pp == 1 and split != "default"):
+            continue  # the same layout as the alltoall / default one
         lay = ParallelLayout(tp=tp, pp=pp, ep=ep, dp_flavor=flavor, recompute=rec, sequence_parallel=tp > 1,
+                             dispatcher=dispatcher, balanced_split=split == "balanced",
                              **dict(zip(OVERLAP_FIELDS, ov))).resolve(64)
         unit = lay.mbs * lay.dp
         layouts.append(dataclasses.replace(lay, gbs=int(np.ceil(np.ceil(8.0e6 / 4096) / unit)) * unit))

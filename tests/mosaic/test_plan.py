@@ -112,15 +112,25 @@ def test_sensitivity_moves_the_right_way(result):
     assert note["p_beats_runner_up"] is None and "bootstrap" in note["note"]
 
 
-def test_trainer_reads_the_plan_file(result, tmp_path):
+def test_trainer_reads_the_plan_file(law, space, result, tmp_path):
+    """A plan for the bundled trainer's dispatcher (alltoall) is read as planned; a plan with a fused
+    dispatcher (the default space searches them) is refused with the fix named."""
     from mosaic.cli.train import build_config
 
+    runnable = solve(build_problem("h100", devices=64, days=5, fit=law, space=space.replace_layout(dispatcher=("alltoall",))),
+                     top=1)
     path = tmp_path / "plan.yaml"
-    write_plan(str(path), result.to_plan())
+    write_plan(str(path), runnable.to_plan())
     config = build_config(plan=path, model=None, layout=None, nproc=None, device="cpu", cluster=None,
                           out=tmp_path / "run", options={})
-    assert config.model == result.cluster_optimal.arch and config.layout == result.cluster_optimal.layout
+    assert config.model == runnable.cluster_optimal.arch and config.layout == runnable.cluster_optimal.layout
     assert config.cluster == "h100"
+    fused = dataclasses.replace(runnable.cluster_optimal.layout, dispatcher="hybridep")
+    plan = runnable.to_plan()
+    write_plan(str(path), dataclasses.replace(plan, layout=fused))
+    with pytest.raises(InputError, match="set dispatcher=alltoall"):
+        build_config(plan=path, model=None, layout=None, nproc=None, device="cpu", cluster=None,
+                     out=tmp_path / "run2", options={})
 
 
 def _with_law(result, law):
