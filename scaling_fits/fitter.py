@@ -477,10 +477,39 @@ def leave_one_out(result: FitResult, data: RunData, n_warm: int = 1,
             "n_runs": data.n_runs, "warm_starts": n_warm}
 
 
-IDENTIFIABILITY_LIMITS = {"relative_se": 0.25, "correlation": 0.9, "bound_tol": 1e-6}
+IDENTIFIABILITY_LIMITS = {"relative_se": 0.25, "correlation": 0.9, "bound_tol": 1e-6, "bound_r2": 0.999,
+                          "bound_share": 0.1}
 """A parameter is flagged when its standard error exceeds 25% of its value (coefficients: 0.25 in log
 units; exponents: of max(|value|, 0.01)), i.e. its ~95% interval spans more than +-50%, or when it sits on
-a bound; partners are the parameters it correlates with at |r| >= 0.9."""
+a bound; partners are the parameters it correlates with at |r| >= 0.9. A parameter on a bound trades off
+with the others when the others' Jacobian columns explain its own to R^2 >= 0.999 (moving it is undone by
+moving them): its partners are those whose share of that fit, |c_k| |J_k| / |J_b|, is >= 0.1."""
+
+
+def _bound_partners(J: np.ndarray, inner: np.ndarray, free_names: list[str], sw: np.ndarray,
+                    lim: Mapping[str, float]) -> dict[str, list[list[Any]]]:
+    """Per parameter on a bound (~inner): [partner, sign] where the inner parameters' weighted Jacobian
+    columns explain its own to R^2 >= lim["bound_r2"] (IDENTIFIABILITY_LIMITS), partners by share;
+    sign +1 where they move together to leave the fit unchanged (J_b ~ sum c_k J_k: dtheta_k = -c_k)."""
+    X = J[:, inner] * sw[:, None]
+    inner_names = [n for n, k in zip(free_names, inner) if k]
+    out: dict[str, list[list[Any]]] = {}
+    if X.shape[1] == 0:
+        return out
+    norms = np.linalg.norm(X, axis=0)
+    for j in np.flatnonzero(~inner):
+        y = J[:, j] * sw
+        yy = float(y @ y)
+        if yy <= 0.0:
+            continue
+        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        r2 = 1.0 - float(np.sum((y - X @ coef) ** 2)) / yy
+        if r2 < lim["bound_r2"]:
+            continue
+        share = np.abs(coef) * norms / np.sqrt(yy)
+        out[free_names[j]] = [[inner_names[k], float(-np.sign(coef[k]))] for k in np.argsort(-share)
+                              if share[k] >= lim["bound_share"]]
+    return out
 
 
 def identifiability(result: FitResult, data: RunData,
@@ -517,15 +546,16 @@ def identifiability(result: FitResult, data: RunData,
     r = m + np.log(E.sum(axis=0)) - obj.log_y
     J = np.einsum("kn,knp->np", soft, obj.F_free.reshape(K, n, p)) @ obj.M[np.ix_(obj.free, obj.free)]
     inner = np.array([names[i] not in at_bound for i in obj.free])
+    w = obj.weight
+    bound_partners = _bound_partners(J, inner, [names[i] for i in obj.free], np.sqrt(w), lim)
     J = J[:, inner]
     kept = [names[i] for i, k in zip(obj.free, inner) if k]
-    w = obj.weight
     dof = float(w.sum()) - J.shape[1]
     out: dict[str, Any] = {"method": "Gauss-Newton covariance of the log residuals at the optimum",
                            "limits": lim, "relative_se": {}, "flagged": {}, "condition_number": None}
     for name, side in at_bound.items():
         out["flagged"][name] = {"reason": f"at its {side} bound (the data push it past the fit range)",
-                                "trades_off_with": []}
+                                "trades_off_with": bound_partners.get(name, [])}
     if not kept:
         return out
     H = J.T @ (w[:, None] * J)

@@ -103,3 +103,18 @@ def test_granularity_form_chosen_by_held_out_error_and_refused_without_g_variati
     assert forms["logquad"]["mape_holdout"] < forms["power"]["mape_holdout"]
     flat = choose_granularity_form(ladder(TRUTH, g=(1.0,)), FitOptions(n_starts=8), loo=False)
     assert flat["choice"] is None and "not identifiable" in flat["reason"]
+
+
+def test_a_parameter_on_a_bound_names_the_parameters_that_undo_it():
+    """A bound parameter whose Jacobian column the others explain (R^2 >= 0.999) trades off with them
+    (sign +1: they move together to keep the fit); an independent one names no partner."""
+    from scaling_fits.fitter import IDENTIFIABILITY_LIMITS, _bound_partners
+
+    rng = np.random.default_rng(3)
+    cols = rng.standard_normal((200, 3))
+    tied = 2.0 * cols[:, 0] - cols[:, 2] + 1e-4 * rng.standard_normal(200)
+    free = rng.standard_normal(200)
+    J = np.column_stack([cols, tied, free])
+    inner = np.array([True, True, True, False, False])
+    out = _bound_partners(J, inner, ["p", "q", "r", "tied", "free"], np.ones(200), IDENTIFIABILITY_LIMITS)
+    assert out["tied"] == [["p", -1.0], ["r", 1.0]] and "free" not in out
