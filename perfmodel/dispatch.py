@@ -292,10 +292,16 @@ def fused_span_figures(cluster: ClusterSpec, lay: LayoutLike, dispatcher_code: n
     ep = np.asarray(lay.ep, dtype=float)
     shape = np.broadcast(ep, np.asarray(dispatcher_code)).shape
     code = np.broadcast_to(np.asarray(dispatcher_code), shape)
-    available, sm = np.ones(shape, dtype=bool), np.zeros(shape)
     if not np.any(np.isin(code, list(fused_codes))) or not np.any(ep > 1):
-        return available, sm
+        return np.ones(shape, dtype=bool), np.zeros(shape)
     span_level, _ = _span_level(cluster, ep, np.asarray(lay.etp, dtype=float), shape)
+    return _figures_at(cluster, code, ep, span_level, fused_codes)
+
+
+def _figures_at(cluster: ClusterSpec, code: np.ndarray, ep: np.ndarray, span_level: np.ndarray,
+                fused_codes: dict[int, str]) -> tuple[np.ndarray, np.ndarray]:
+    """`fused_span_figures` given the level each candidate's EP group spans (`_span_level`)."""
+    available, sm = np.ones(code.shape, dtype=bool), np.zeros(code.shape)
     for c_value, name in fused_codes.items():
         mine = (code == c_value) & (ep > 1)
         for j, level in enumerate(cluster.levels):
@@ -318,12 +324,11 @@ def fused_dispatch_times(cluster: ClusterSpec, lay: LayoutLike, dispatcher_code:
     shape = np.broadcast(ep, np.asarray(dispatcher_code)).shape
     zeros = np.zeros(shape)
     times = {k: zeros.copy() for k in ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd")}
-    available = np.ones(shape, dtype=bool)
     code = np.broadcast_to(np.asarray(dispatcher_code), shape)
     if not np.any(np.isin(code, list(fused_codes))) or not np.any(ep > 1):
-        return FusedDispatchTimes(zeros, zeros, zeros, zeros, zeros, available)
+        return FusedDispatchTimes(zeros, zeros, zeros, zeros, zeros, np.ones(shape, dtype=bool))
     span_level, inner = _span_level(cluster, ep, etp, shape)
-    available, sm_fraction = fused_span_figures(cluster, lay, dispatcher_code, fused_codes)
+    available, sm_fraction = _figures_at(cluster, code, ep, span_level, fused_codes)
     E, k = np.asarray(n_experts, dtype=float), np.asarray(top_k, dtype=float)
     T = np.asarray(tokens, dtype=float)
     h = np.asarray(hidden, dtype=float)

@@ -42,7 +42,7 @@ from perfmodel.specs.architecture import ArchBatch, n_ffn_dense_layers
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import DP_FLAVORS, LayoutBatch, ParallelLayout
 from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
-from perfmodel.specs.stages import stage_layer_table
+from perfmodel.specs.stages import split_columns, stage_layer_table
 
 STAGE_BLOCKS = ("attention", "dense_ffn", "moe", "embedding", "head", "mtp")
 """Block counts of a pipeline stage (`Stage.counts`); mtp counts MTP modules."""
@@ -153,11 +153,7 @@ def _stage_columns(arch: ArchLike, batch: LayoutBatch) -> list[np.ndarray]:
     n = len(batch)
     cols = [np.broadcast_to(np.atleast_1d(np.asarray(v)), (n,)) for v in
             (arch.n_layers, n_ffn_dense_layers(arch), arch.n_mtp_layers)]
-    cols += [np.asarray(getattr(batch, f)) for f in ("pp", "vpp", "first_stage_layers", "last_stage_layers",
-                                                       "account_embedding", "account_loss", "balanced_split",
-                                                       "dp_flavor")]
-    layout = np.asarray(batch.stage_layers)
-    return cols + [layout[:, j] for j in range(layout.shape[1])]
+    return cols + [np.asarray(batch.dp_flavor)] + split_columns(batch)
 
 
 def _grouped_stages(arch: ArchLike, batch: LayoutBatch) -> Optional[list[Stage]]:

@@ -9,7 +9,7 @@ into messages for one configuration.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -20,7 +20,7 @@ from perfmodel.operators import DDP, dispatcher_code, dp_flavor_code
 from perfmodel.specs.architecture import MoEArchitecture
 from perfmodel.specs.layout import DISPATCHERS, FUSED_DISPATCHERS, LayoutBatch, ParallelLayout
 from perfmodel.specs.protocols import ArchLike, Flag, LayoutLike
-from perfmodel.specs.stages import split_problem, stage_layer_table
+from perfmodel.specs.stages import split_columns, split_problem, stage_layer_table
 
 FUSED_CODES = [DISPATCHERS.index(d) for d in FUSED_DISPATCHERS]
 
@@ -50,11 +50,6 @@ def _batch(lay: LayoutLike) -> LayoutBatch:
     return LayoutBatch.stack([lay]) if isinstance(lay, ParallelLayout) else lay
 
 
-SPLIT_INPUTS = ("pp", "vpp", "first_stage_layers", "last_stage_layers", "account_embedding", "account_loss",
-                "balanced_split", "stage_mtp")
-"""The layout columns `split_fits_layers` reads (with every column of `stage_layers`)."""
-
-
 def split_fits_layers(arch: ArchLike, lay: LayoutLike) -> Flag:
     """The pipeline split (`perfmodel.specs.stages`) gives every virtual stage >= 0 layers and
     adds up to n_layers (Megatron's divisibility rules fail this), and a layout string holds
@@ -66,9 +61,7 @@ def split_fits_layers(arch: ArchLike, lay: LayoutLike) -> Flag:
         batch = batch.take(np.zeros(n, dtype=np.int64))
     mtp_layers = np.broadcast_to(np.atleast_1d(_a(arch.n_mtp_layers)), (n,))
     if n >= MIN_GROUPED_ROWS and not isinstance(lay, ParallelLayout):
-        layout = np.asarray(batch.stage_layers)
-        first, inverse = row_groups([n_layers, mtp_layers] + [np.asarray(getattr(batch, f)) for f in SPLIT_INPUTS]
-                                    + [layout[:, j] for j in range(layout.shape[1])])
+        first, inverse = row_groups([n_layers, mtp_layers] + split_columns(batch))
         if 2 * len(first) <= n:
             return _split_fits(n_layers[first], mtp_layers[first], batch.take(first))[inverse]
     ok = _split_fits(n_layers, mtp_layers, batch)
@@ -173,11 +166,12 @@ LAYOUT_ONLY_RULES = ("vpp_needs_pp", "tp_overlap_needs_tp", "ep_overlap_needs_ep
 """The rules that read the layout alone (tested): true or false of a layout row for every model."""
 
 
-def layout_rules_ok(lay: LayoutLike) -> np.ndarray:
-    """The LAYOUT_ONLY_RULES of each layout row."""
+def layout_rules_ok(lay: LayoutLike, names: Sequence[str] = LAYOUT_ONLY_RULES) -> np.ndarray:
+    """Each layout row's verdict under the rules `names` (a subset of LAYOUT_ONLY_RULES)."""
+    assert set(names) <= set(LAYOUT_ONLY_RULES), names
     ok = np.ones(len(_batch(lay)), dtype=bool)
     for name, rule, _ in RULES:
-        if name in LAYOUT_ONLY_RULES:
+        if name in names:
             ok &= np.asarray(rule(None, lay), dtype=bool)
     return ok
 

@@ -63,7 +63,7 @@ from perfmodel.specs.layout import (
 )
 from perfmodel.stage import hidden_ep_cost
 from perfmodel.tables import fused_dispatch_figures
-from perfmodel.validity import RULES, layout_rules_ok, valid_mask
+from perfmodel.validity import layout_rules_ok, valid_mask
 
 REASONS = perfmodel.REASONS
 MEMORY_REASON = REASONS.index("memory")
@@ -87,11 +87,7 @@ whether a switch may be on is a property of the layout row."""
 
 def overlap_allowed(grid: LayoutBatch) -> np.ndarray:
     """Rows whose overlap switches the overlap rules allow (the others are valid for no geometry)."""
-    allowed = np.ones(len(grid), dtype=bool)
-    for name, rule, _ in RULES:
-        if name in OVERLAP_RULES:
-            allowed &= np.asarray(rule(None, grid), dtype=bool)
-    return allowed
+    return layout_rules_ok(grid, OVERLAP_RULES)
 
 
 def overlap_dominated(grid: LayoutBatch, cluster: ClusterSpec) -> np.ndarray:
@@ -248,24 +244,29 @@ class PairEvaluator:
         if prune and cluster.overlap.compute_slowdown <= 1.0:
             grid = grid.take(np.flatnonzero(overlap_allowed(grid) & ~overlap_dominated(grid, cluster)))
         self.grid = grid
-        # one row per switch set (switches off: the overlap rules allow that everywhere)
-        fields = [f for f in LAYOUT_FIELDS if f not in OVERLAP_FIELDS]
-        first, rep_of = row_groups(list(grid.key_columns(fields).T))
-        off = {f: np.zeros(len(first), dtype=bool) for f in OVERLAP_FIELDS}
-        self.rep_grid = dataclasses.replace(grid.take(first), **off) if prune else grid
-        self.rep_of = rep_of if prune else np.arange(len(grid))
-        """Row of `rep_grid` of each grid row."""
-        # validity reads the dispatch fields only through layout-only rules: one row per dispatch set
-        dispatch_free = [f for f in LAYOUT_FIELDS if f not in OVERLAP_FIELDS + DISPATCH_FIELDS]
-        first, self.valid_of = row_groups(list(self.rep_grid.key_columns(dispatch_free).T))
-        plain = {"dispatcher": np.zeros(len(first), dtype=np.int64),
-                 "capacity_factor": np.zeros(len(first)), "pad_to_capacity": np.zeros(len(first), dtype=bool)}
-        self.valid_grid = dataclasses.replace(self.rep_grid.take(first), **plain)
-        """`rep_grid` with the dispatch fields at their defaults, one row per set of rows equal but for them."""
-        self.layout_ok = layout_rules_ok(self.rep_grid)
-        """The layout-only rules of each `rep_grid` row (those that read the dispatch fields)."""
-        self.width = len(self.valid_grid)
-        """Pairs one geometry builds (`valid_grid` rows): what a chunk of geometries is sized by."""
+        self.rep_grid, self.rep_of = grid, np.arange(len(grid))
+        """One row per switch set (switches off: the overlap rules allow that everywhere), and the
+        `rep_grid` row of each grid row (with pruning; without, the grid itself)."""
+        self.valid_grid: Optional[LayoutBatch] = None
+        """`rep_grid` with the dispatch fields at their defaults, one row per set of rows equal but
+        for them, where that halves the pairs validity is checked on (else None)."""
+        if prune:
+            first, self.rep_of = row_groups(list(grid.key_columns([f for f in LAYOUT_FIELDS if f not in OVERLAP_FIELDS]).T))
+            self.rep_grid = dataclasses.replace(grid.take(first), **{f: np.zeros(len(first), dtype=bool)
+                                                                        for f in OVERLAP_FIELDS})
+            # validity reads the dispatch fields only through layout-only rules (validity.LAYOUT_ONLY_RULES)
+            dispatch_free = [f for f in LAYOUT_FIELDS if f not in OVERLAP_FIELDS + DISPATCH_FIELDS]
+            first, valid_of = row_groups(list(self.rep_grid.key_columns(dispatch_free).T))
+            if 2 * len(first) <= len(self.rep_grid):
+                plain = {"dispatcher": np.zeros(len(first), dtype=np.int64), "capacity_factor": np.zeros(len(first)),
+                         "pad_to_capacity": np.zeros(len(first), dtype=bool)}
+                self.valid_grid = dataclasses.replace(self.rep_grid.take(first), **plain)
+                self.valid_of = valid_of
+                """`valid_grid` row of each `rep_grid` row."""
+                self.layout_ok = layout_rules_ok(self.rep_grid)
+                """The layout-only rules of each `rep_grid` row (those that read the dispatch fields)."""
+        self.width = len(self.valid_grid if self.valid_grid is not None else self.rep_grid)
+        """Pairs one geometry builds for validity: what a chunk of geometries is sized by."""
         self.siblings = recompute_siblings(self.rep_grid)
         key_fields = [f for f in LAYOUT_FIELDS if f not in STATIC_FREE_FIELDS]
         first, inverse = row_groups(list(self.rep_grid.key_columns(key_fields).T))
@@ -301,13 +302,21 @@ class PairEvaluator:
         """(archs, layouts with their gbs, geometry index, layout row) of every (geometry, row of
         `grid`) pair, geometry-major (default grid: `self.grid`)."""
         grid = self.grid if grid is None else grid
-        n_l = len(grid)
-        g = np.repeat(geo_index, n_l)
-        lay_i = np.tile(np.arange(n_l), len(geo_index))
-        archs = self.archs.take(g)
-        lays = grid.take(lay_i)
-        lays = dataclasses.replace(lays, gbs=gbs_holding_tokens(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
-        return archs, lays, g, lay_i
+        flat = np.arange(len(geo_index) * len(grid))
+        archs, lays = self._grid_pairs(geo_index, flat, grid)
+        return archs, lays, geo_index[flat // len(grid)], flat % len(grid)
+
+    def rep_valid(self, geo_index: np.ndarray) -> tuple[np.ndarray, Optional[tuple[ArchBatch, LayoutBatch]]]:
+        """((geometry, `rep_grid` row) validity, (n_g, n_rep); the rep_grid pairs where they were
+        built for it, else None): on `valid_grid` gathered with the layout-only rules where that
+        is smaller (tested equal to `valid_mask` on every pair)."""
+        n_g = len(geo_index)
+        if self.valid_grid is not None:
+            archs, lays, _, _ = self.pairs(geo_index, self.valid_grid)
+            valid = valid_mask(archs, lays, self.devices).reshape(n_g, -1)[:, self.valid_of]
+            return valid & self.layout_ok[None, :], None
+        archs, lays, _, _ = self.pairs(geo_index, self.rep_grid)
+        return valid_mask(archs, lays, self.devices).reshape(n_g, -1), (archs, lays)
 
     def _grid_pairs(self, geo_index: np.ndarray, flat: np.ndarray, grid: Optional[LayoutBatch] = None
                     ) -> tuple[ArchBatch, LayoutBatch]:
@@ -353,19 +362,13 @@ class PairEvaluator:
             results.append((idx, res))
 
         if self.prune:
-            if 2 * len(self.valid_grid) <= n_r:  # few dispatch sets: validity on them, the pairs timed built apart
-                archs, lays, _, _ = self.pairs(geo_index, self.valid_grid)
-                valid_r = valid_mask(archs, lays, self.devices).reshape(n_g, -1)[:, self.valid_of] & self.layout_ok[None, :]
-                del archs, lays
+            valid_r, built = self.rep_valid(geo_index)
 
-                def rep_pairs(flat: np.ndarray) -> tuple[ArchBatch, LayoutBatch]:
+            def rep_pairs(flat: np.ndarray) -> tuple[ArchBatch, LayoutBatch]:
+                if built is None:
                     return self._grid_pairs(geo_index, flat, self.rep_grid)
-            else:  # one pair batch serves validity and the subsets
-                archs, lays, _, _ = self.pairs(geo_index, self.rep_grid)
-                valid_r = valid_mask(archs, lays, self.devices).reshape(n_g, n_r)
+                return built[0].take(flat), built[1].take(flat)
 
-                def rep_pairs(flat: np.ndarray) -> tuple[ArchBatch, LayoutBatch]:
-                    return archs.take(flat), lays.take(flat)
             memory_r = np.full(n_g * n_r, np.inf)
             dominated_r = np.zeros_like(valid_r)
             static = self.static_memory(geo_index)

@@ -212,6 +212,18 @@ def uses_default_split(lay: Any) -> bool:
             and not lay.account_embedding and not lay.account_loss and not lay.balanced_split)
 
 
+SPLIT_COLUMNS = ("pp", "vpp", "first_stage_layers", "last_stage_layers", "account_embedding", "account_loss",
+                 "balanced_split", "stage_mtp")
+"""The batch columns that, with every column of `stage_layers`, state a candidate's pipeline split."""
+
+
+def split_columns(batch: Any) -> list[np.ndarray]:
+    """The split of each candidate of a LayoutBatch as numeric columns (SPLIT_COLUMNS, then one per
+    column of `stage_layers`): the key that groups the rows one split rule treats alike."""
+    layout = np.asarray(batch.stage_layers)
+    return [np.asarray(getattr(batch, f)) for f in SPLIT_COLUMNS] + [layout[:, j] for j in range(layout.shape[1])]
+
+
 def stage_layer_table(n_layers: np.ndarray, batch: Any) -> np.ndarray:
     """(n, max pp*vpp) float array of each candidate's virtual-stage layer counts in layer order,
     0 beyond its own pp*vpp stages (the batch form of `virtual_stage_layers`). Each rule fills
@@ -270,5 +282,5 @@ def stage_layer_table(n_layers: np.ndarray, batch: Any) -> np.ndarray:
     return out.astype(float)
 
 
-__all__ = ["balanced_stage_layers", "describe_split", "format_pp_layout", "parse_pp_layout", "pp_layout_counts", "split_problem",
+__all__ = ["SPLIT_COLUMNS", "balanced_stage_layers", "describe_split", "format_pp_layout", "parse_pp_layout", "pp_layout_counts", "split_columns", "split_problem",
            "stage_layer_table", "uses_default_split", "virtual_stage_layers"]

@@ -200,8 +200,8 @@ def test_validity_per_dispatch_set_is_the_validity_of_every_row(law, make_space)
     for name, rule, _ in RULES:
         if name in LAYOUT_ONLY_RULES:
             np.testing.assert_array_equal(np.asarray(rule(archs, lays), dtype=bool), np.asarray(rule(None, lays), dtype=bool))
-    planner = valid_mask(*ev.pairs(np.arange(len(p.geoms)), ev.valid_grid)[:2], 64).reshape(len(p.geoms), -1)
-    planner = planner[:, ev.valid_of] & ev.layout_ok[None, :]
+    assert ev.valid_grid is not None and len(ev.valid_grid) < len(ev.rep_grid)
+    planner, _ = ev.rep_valid(np.arange(len(p.geoms)))
     direct = valid_mask(archs, lays, 64).reshape(len(p.geoms), -1)
     assert direct.any() and (~direct).any()
     np.testing.assert_array_equal(planner, direct)
