@@ -115,13 +115,11 @@ class AsyncHost:
 
     def phase_kernels(self, stage: StageBlocks) -> tuple[Values, Values]:
         """Fused kernels and collective launches; full recompute launches the layers' forward
-        kernels again, selective the attention core (one kernel per layer; with MLA also the up
-        projections' kernels)."""
+        kernels again, selective those of the modules it checkpoints (`operators.RECOMPUTE_MODULE_OPS`)."""
         total, full, selective = stage.total, stage.full, stage.selective
         fwd = total("fwd_kernels") + total("fwd_comm_kernels")
         bwd = (total("bwd_kernels") + total("bwd_comm_kernels")
-               + select(full, total("fwd_kernels", LAYER_BLOCKS),
-                          select(selective, total("selective_kernels", ("attention",)), 0.0)))
+               + select(full, total("fwd_kernels", LAYER_BLOCKS), select(selective, stage.recomputed("kernels"), 0.0)))
         return fwd, bwd
 
     def dispatch_s(self, stage: StageBlocks, fwd_kernels: Values, bwd_kernels: Values, fwd_device_s: Values,

@@ -21,7 +21,8 @@ Batch = TypeVar("Batch", ArchBatch, LayoutBatch)
 
 CODE_FIELDS = ("dp_flavor", "recompute", "precision", "sequence_parallel", "gated_ffn", "tie_embeddings",
                "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap",
-               "account_embedding", "account_loss", "pp_layout", "balanced_split", "dispatcher", "pad_to_capacity")
+               "account_embedding", "account_loss", "pp_layout", "balanced_split", "dispatcher", "pad_to_capacity",
+               "recompute_modules")
 """Columns that hold categorical codes or flags (kept as they are by `as_float`)."""
 
 

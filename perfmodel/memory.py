@@ -35,6 +35,12 @@ Sources
   remain). With flash attention the only internal tensor is the fp32 log-sum-exp, so
   selective saves that, and flash's own bf16 copy of the output under fp8. Full
   recompute keeps only each layer's input plus one layer's working set.
+- The other selective modules (`--recompute-modules`; Megatron-Core's output-discarding
+  checkpoints for layernorm, moe_act and mla_up_proj, a plain checkpoint for mlp) drop what
+  their module's output was kept as: layernorm each norm's output (the QKV / MLP input, g,
+  the router input, b), moe_act the routed experts' activation output (fc2's input, g per
+  row and d_e/etp), mla_up_proj MLA's Q, K, V, mlp the dense MLP's gate/up output and
+  activation (its input stays).
 - MoE stored activations use the MEAN tokens per expert-parallel rank (M_mean), not the
   busiest rank's (M_exp = load x mean, `perfmodel.routing.busiest_load_factor`): a rank's peak is the sum over all its
   layers and in-flight micro-batches, and the rank that is busiest differs from layer to
@@ -53,8 +59,8 @@ Sources
   `cluster.framework_overhead_bytes`.
 - MoE stored rows: M_mean dropless; with a capacity factor the kept (not dropped) rows, or
   the padded capacity (`operators.shapes` M_kept).
-- MLA (`mla_activation_bytes`): latents, Q/K/V and the core output; selective recompute of the
-  up projections and the core keeps the latents and the output projection's input.
+- MLA (`mla_activation_bytes`): latents, Q/K/V and the core output; recomputing the up
+  projections (mla_up_proj) and the core (core_attn) keeps the latents and the output projection's input.
 - MTP modules on the last stage: their layer, projection input and a second set of logits.
 - Per device (`memory_per_device`): the largest of the priced pipeline stages
   (`schedule.pipeline_stages`); what `evaluate` reports and the planner prunes with.
@@ -75,13 +81,14 @@ from perfmodel.operators import (
     FP32_GRAD_BYTES,
     FSDP,
     FULL,
-    SELECTIVE,
     ZERO1,
     activation_bytes,
     dp_flavor_code,
     gemm_operand_bytes,
+    op_sac,
     precision_code,
     recompute_code,
+    recomputes,
     shapes,
     weight_bytes,
 )
@@ -171,20 +178,35 @@ def layer_activation_bytes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]
     T, T_sp, T_moe, M = sh["T"], sh["T_sp"], sh["T_moe"], sh["M_kept"]
     h, h_q, h_kv, tp, etp = sh["h"], sh["h_q"], sh["h_kv"], sh["tp"], sh["etp"]
     up = np.where(sh["gated"], 2.0, 1.0)
-    selective = recompute_code(lay) == SELECTIVE
+    core = recomputes(lay, "core_attn")
+    # layernorm recompute discards each norm's output (the next GEMM's input, or the router's)
+    norm_out = np.where(recomputes(lay, "layernorm"), 0.0, 1.0)
     kept_without_recompute = np.where(fp8, b + g, b) * T * h_q / tp + 4.0 * T * sh["heads"] / tp
-    attention = ((b + g) * T_sp * h + b * T * (h_q + 2.0 * h_kv) / tp
-                 + np.where(selective, g * T * h_q / tp, kept_without_recompute))
+    attention = ((b + norm_out * g) * T_sp * h + b * T * (h_q + 2.0 * h_kv) / tp
+                 + np.where(core, g * T * h_q / tp, kept_without_recompute))
     mla = np.asarray(uses_mla(arch))
     if mla.any():
         attention = np.where(mla, mla_activation_bytes(arch, lay), attention)
     d_ff = np.asarray(arch.d_ff_dense, dtype=float)
-    dense = (b + g) * T_sp * h + (b * up + g) * T * d_ff / tp
+    # mlp recompute checkpoints the dense MLP: only its input stays
+    dense = (b + norm_out * g) * T_sp * h + np.where(recomputes(lay, "mlp"), 0.0, (b * up + g) * T * d_ff / tp)
     d_loc = np.asarray(arch.d_expert, dtype=float) / etp
     shared = np.asarray(arch.n_shared_experts, dtype=float) * np.asarray(arch.d_expert, dtype=float)
-    moe = (2.0 * b * T_sp * h + 4.0 * T_moe * np.asarray(arch.n_experts, dtype=float)
-           + M * (g * h + (b * up + g) * d_loc + 4.0)
+    act_out = np.where(recomputes(lay, "moe_act"), 0.0, g)  # moe_act discards fc2's input
+    moe = ((1.0 + norm_out) * b * T_sp * h + 4.0 * T_moe * np.asarray(arch.n_experts, dtype=float)
+           + M * (g * h + (b * up + act_out) * d_loc + 4.0)
            + np.where(shared > 0, np.where(fp8, g * T_sp * h, 0.0) + (b * up + g) * T * shared / tp, 0.0))
+    op = recomputes(lay, "op")
+    if np.any(op):  # torchtitan's per-op policy: the block input and the saved outputs only
+        from perfmodel.operators import mla_widths
+
+        _, att_elems, count = op_sac(arch, lay, "attention")
+        wm = mla_widths(arch, lay)
+        core_out = np.where(mla, T * wm["H"] * wm["d_v"] / tp, T * h_q / tp)
+        heads = np.asarray(arch.n_heads, dtype=float)
+        attention = np.where(op, b * T_sp * h + b * (att_elems + core_out) + 4.0 * T * heads / tp, attention)
+        dense = np.where(op, b * op_sac(arch, lay, "dense_ffn", count)[1], dense)
+        moe = np.where(op, b * op_sac(arch, lay, "moe", count)[1], moe)
     return {"attention": attention, "dense_ffn": dense, "moe": moe, "layer_input": b * T_sp * h}
 
 
@@ -193,8 +215,8 @@ def mla_activation_bytes(arch: ArchLike, lay: LayoutLike) -> Values:
     projections' input (g; one copy, as for the QKV input), the latents the up projections keep
     (their norms' inputs and the rope key: b T (r_q + r_kv + d_r), T rows: gathered over tp), and
     without recompute Q, K, V (b T H (2 d_q + d_v) / tp), the core output (b, + g under fp8) and
-    its fp32 log-sum-exp; selective recompute (core + up projections, Megatron's core_attn and
-    mla_up_proj) keeps only the output projection's input (g)."""
+    its fp32 log-sum-exp; recomputing core_attn keeps only the output projection's input (g) of
+    the core, mla_up_proj drops Q, K, V (rebuilt from the latents), layernorm the norm output."""
     from perfmodel.operators import mla_widths
 
     sh = shapes(arch, lay)
@@ -205,9 +227,10 @@ def mla_activation_bytes(arch: ArchLike, lay: LayoutLike) -> Values:
     H, d_q, d_v = w["H"], w["d_q"], w["d_v"]
     latents = b * T * (w["r_q"] + w["r_kv"] + w["d_r"])
     out = T * H * d_v / tp
-    kept = b * T * H * (2.0 * d_q + d_v) / tp + np.where(fp8, b + g, b) * out + 4.0 * T * H / tp
-    selective = recompute_code(lay) == SELECTIVE
-    return (b + g) * T_sp * h + latents + np.where(selective, g * out, kept)
+    qkv = np.where(recomputes(lay, "mla_up_proj"), 0.0, b * T * H * (2.0 * d_q + d_v) / tp)
+    core = np.where(recomputes(lay, "core_attn"), g * out, np.where(fp8, b + g, b) * out + 4.0 * T * H / tp)
+    norm_out = np.where(recomputes(lay, "layernorm"), 0.0, 1.0)
+    return (b + norm_out * g) * T_sp * h + latents + qkv + core
 
 
 def stage_memory(arch: ArchLike, lay: LayoutLike, cluster: ClusterSpec, stage: Union[str, Stage],

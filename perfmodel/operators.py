@@ -84,7 +84,15 @@ import numpy as np
 from perfmodel.memo import memoised, memoised_last
 from perfmodel.routing import busiest_load_factor, dropped_fraction
 from perfmodel.specs.architecture import uses_mla
-from perfmodel.specs.layout import DISPATCHERS, DP_FLAVORS, PRECISIONS, RECOMPUTE_MODES
+from perfmodel.specs.layout import (
+    DEFAULT_RECOMPUTE_MASK,
+    DISPATCHERS,
+    DP_FLAVORS,
+    PRECISIONS,
+    RECOMPUTE_MODES,
+    RECOMPUTE_MODULES,
+    recompute_module_mask,
+)
 from perfmodel.specs.protocols import ArchLike, LayoutLike, Values
 
 PHASES = ("fwd", "dgrad", "wgrad")
@@ -105,7 +113,21 @@ ROUTING_BYTES_PER_EXPERT = 5.0
 probabilities (4 bytes per expert, fp32) with its hidden state (Megatron-Core
 `MoEAllGatherTokenDispatcher`)."""
 MLA_UP_OPS = ("q_norm", "q_up", "kv_norm", "kv_up", "mla_rope")
-"""The MLA ops selective recompute repeats (Megatron's `mla_up_proj` module) besides the core."""
+"""The MLA ops Megatron's `mla_up_proj` recompute module repeats (up projections, their norms, rope)."""
+RECOMPUTE_MODULE_OPS = {
+    "core_attn": ("core_attention",),
+    "mla_up_proj": MLA_UP_OPS,
+    "layernorm": ("attn_norm", "ffn_norm", "moe_norm"),
+    "moe_act": ("expert_act",),
+    "mlp": ("ffn_up", "ffn_act", "ffn_down"),
+    "op": (),
+}
+"""The ops each selective recompute module runs again in the backward pass (Megatron-Core
+`TransformerConfig.recompute_modules`: core_attn the attention core, mla_up_proj MLA's up
+projections and rope, layernorm the input and pre-MLP norms, moe_act the routed experts'
+activation function, mlp the dense MLP); `op` (torchtitan's per-op policy) repeats a share of
+every op (`op_sac`)."""
+assert tuple(RECOMPUTE_MODULE_OPS) == RECOMPUTE_MODULES
 
 FLASH_BWD_FACTOR = 2.5
 """FlashAttention-2 backward executes 5 matmuls to the forward's 2 (Dao 2023, sec. 3.1)."""
@@ -133,6 +155,93 @@ def precision_code(lay: LayoutLike) -> Union[int, np.ndarray]:
 
 def recompute_code(lay: LayoutLike) -> Union[int, np.ndarray]:
     return _code(lay.recompute, RECOMPUTE_MODES)
+
+
+def recompute_modules_code(lay: LayoutLike) -> Union[int, np.ndarray]:
+    """Bit mask of the selective recompute modules (bit i: RECOMPUTE_MODULES[i])."""
+    value = lay.recompute_modules
+    if value is None:
+        return DEFAULT_RECOMPUTE_MASK
+    if isinstance(value, str):
+        return recompute_module_mask(value)
+    return np.asarray(value)
+
+
+def recomputes(lay: LayoutLike, module: str) -> Union[bool, np.ndarray]:
+    """Whether selective recompute checkpoints `module` (False under none and full)."""
+    bit = 1 << RECOMPUTE_MODULES.index(module)
+    mask = np.asarray(recompute_modules_code(lay)).astype(np.int64)
+    return (np.asarray(recompute_code(lay)) == SELECTIVE) & ((mask & bit) != 0)
+
+
+OpSacEntry = tuple[str, Values, Values, Values, Values]
+"""(our op, its share of the op's FLOPs, output elements, present, an aten.mm) of one matmul call."""
+
+
+def _op_sac_entries(arch: ArchLike, lay: LayoutLike, block: str) -> list[OpSacEntry]:
+    """The matmul calls of one transformer block in torchtitan's order (Llama 3 / Qwen3 /
+    DeepSeek-V3 modules: wq, wk, wv | wq_a, wq_b or wq, wkv_a, wkv_b; wo; then w1, w3, w2, or the
+    router gate and the shared expert's w1, w3, w2), each mapped to the op that prices it here."""
+    sh = shapes(arch, lay)
+    w = mla_widths(arch, lay)
+    T, T_sp, T_moe, h, h_q, h_kv, tp = sh["T"], sh["T_sp"], sh["T_moe"], sh["h"], sh["h_q"], sh["h_kv"], sh["tp"]
+    lowp = np.asarray(precision_code(lay)) < FP8  # torchao float8 linears call aten._scaled_mm, not aten.mm
+    gated = sh["gated"]
+    one, yes = np.ones_like(np.asarray(T, dtype=float)), np.ones(np.shape(T), dtype=bool)
+    up = np.where(gated, 0.5, 1.0)
+    if block == "attention":
+        mla = np.asarray(uses_mla(arch), dtype=bool)
+        has_q = mla & np.asarray(w["has_q"], dtype=bool)
+        H, d_q, d_r, d_v = w["H"], w["d_q"], w["d_r"], w["d_v"]
+        qkv = h_q + 2.0 * h_kv
+        return [("qkv_proj", h_q / qkv, T * h_q / tp, ~mla, lowp), ("qkv_proj", h_kv / qkv, T * h_kv / tp, ~mla, lowp),
+                ("qkv_proj", h_kv / qkv, T * h_kv / tp, ~mla, lowp),
+                ("q_down", one, T_sp * w["r_q"], has_q, lowp), ("q_up", one, T * H * d_q / tp, has_q, lowp),
+                ("q_proj", one, T * H * d_q / tp, mla & ~has_q, lowp),
+                ("kv_down", one, T_sp * (w["r_kv"] + d_r), mla, lowp),
+                ("kv_up", one, T * H * (d_q - d_r + d_v) / tp, mla, lowp),
+                ("out_proj", one, T * h, yes, lowp)]
+    if block == "dense_ffn":
+        width = np.asarray(arch.d_ff_dense, dtype=float) / tp
+        return [("ffn_up", up, T * width, yes, lowp), ("ffn_up", 0.5 * one, T * width, gated, lowp),
+                ("ffn_down", one, T * h, yes, lowp)]
+    if block == "moe":
+        shared = np.asarray(arch.n_shared_experts, dtype=float) * np.asarray(arch.d_expert, dtype=float) / tp
+        return [("router", one, T_moe * np.asarray(arch.n_experts, dtype=float), yes, yes),  # the gate stays bf16
+                ("shared_up", up, T * shared, shared > 0, lowp), ("shared_up", 0.5 * one, T * shared, (shared > 0) & gated, lowp),
+                ("shared_down", one, T * h, shared > 0, lowp)]
+    return []
+
+
+def op_sac(arch: ArchLike, lay: LayoutLike, block: str, start: Values = 0.0) -> tuple[dict[str, Values], Values, Values]:
+    """torchtitan's per-op selective activation checkpointing (`selective_ac_option = "op"`,
+    torchtitan 2025-06 `_apply_ac_to_transformer_block`): inside each transformer block the
+    outputs of aten.mm, flash SDPA, reduce-scatter and max are saved except every second aten.mm
+    (a counter per block); every other op is recomputed in the backward pass. Per op of `block`,
+    the share of its forward recomputed (memory-bound ops and grouped expert GEMMs, which call
+    aten._grouped_mm: 1; the attention core: 0; a matmul: its calls' FLOP shares at even counts),
+    the elements of the saved matmul outputs, and the counter after the block (`start`: before)."""
+    count = np.asarray(start, dtype=float)
+    recomputed: dict[str, Values] = {}
+    present_any: dict[str, Values] = {}
+    saved_elems: Values = 0.0
+    for name, share, elems, present, is_mm in _op_sac_entries(arch, lay, block):
+        here = np.asarray(present, dtype=bool)
+        mm = here & np.asarray(is_mm, dtype=bool)
+        count = count + mm
+        keep = mm & (np.mod(count, 2.0) == 1.0)
+        recomputed[name] = recomputed.get(name, 0.0) + np.where(here & ~keep, share, 0.0)
+        present_any[name] = present_any.get(name, False) | here
+        saved_elems = saved_elems + np.where(keep, elems, 0.0)
+    # an op none of whose calls is made (no shared experts) recomputes its (zero) work as any other op
+    return {n: np.where(present_any[n], v, 1.0) for n, v in recomputed.items()}, saved_elems, count
+
+
+def op_sac_share(op: Op, recomputed: dict[str, Values]) -> Values:
+    """The share of `op`'s forward torchtitan's per-op policy recomputes (`op_sac`)."""
+    if op.name in recomputed:
+        return recomputed[op.name]
+    return 0.0 if op.kind == "attention" else 1.0
 
 
 def dp_flavor_code(lay: LayoutLike) -> Union[int, np.ndarray]:

@@ -492,6 +492,8 @@ class _StageView:
     full: bool
     selective: bool
     m: float
+    recomputed: Callable[[str], float]
+    """Sum over the checkpointed modules of an entry (fwd, fwd_overlap, kernels) of their ops."""
 
 
 class _AsyncHost:
@@ -512,7 +514,7 @@ class _AsyncHost:
         fwd = st.tot("fwd_kernels") + st.tot("fwd_comm_kernels")
         bwd = st.tot("bwd_kernels") + st.tot("bwd_comm_kernels") + (
             st.tot("fwd_kernels", LAYER_BLOCKS) if st.full else
-            (st.tot("selective_kernels", ("attention",)) if st.selective else 0.0))
+            (st.recomputed("kernels") if st.selective else 0.0))
         return fwd, bwd
 
     def dispatch_s(self, st: _StageView, fwd_kernels: float, bwd_kernels: float, fwd_device_s: float,
@@ -656,9 +658,64 @@ def _dtensor_ops(arch: MoEArchitecture) -> dict[str, tuple[float, float]]:
 # ---------------------------------------------------------------------------
 # Block tables (perfmodel.tables)
 
+_RECOMPUTED_OPS = {"core_attn": ("core_attention",), "mla_up_proj": ("q_norm", "q_up", "kv_norm", "kv_up", "mla_rope"),
+                   "layernorm": ("attn_norm", "ffn_norm", "moe_norm"), "moe_act": ("expert_act",),
+                   "mlp": ("ffn_up", "ffn_act", "ffn_down")}
+"""The ops each selective recompute module runs again (Megatron-Core --recompute-modules)."""
+
+
+def _op_sac_calls(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes, block: str
+                  ) -> list[tuple[str, float, float, bool]]:
+    """torchtitan's matmul calls of one block in order: (op, FLOP share, output elements, aten.mm)."""
+    tp, lowp = lay.tp, lay.precision not in ("fp8", "mxfp8")
+    if block == "attention":
+        if arch.kv_lora_rank > 0:
+            H, d_q, d_r, d_v = arch.n_heads, arch.head_dim, arch.qk_rope_head_dim, arch.v_head_dim
+            q = ([("q_down", 1.0, z.T_sp * arch.q_lora_rank, lowp), ("q_up", 1.0, z.T * H * d_q / tp, lowp)]
+                 if arch.q_lora_rank > 0 else [("q_proj", 1.0, z.T * H * d_q / tp, lowp)])
+            return q + [("kv_down", 1.0, z.T_sp * (arch.kv_lora_rank + d_r), lowp),
+                        ("kv_up", 1.0, z.T * H * (d_q - d_r + d_v) / tp, lowp), ("out_proj", 1.0, z.T * z.h, lowp)]
+        qkv = z.h_q + 2 * z.h_kv
+        return [("qkv_proj", z.h_q / qkv, z.T * z.h_q / tp, lowp), ("qkv_proj", z.h_kv / qkv, z.T * z.h_kv / tp, lowp),
+                ("qkv_proj", z.h_kv / qkv, z.T * z.h_kv / tp, lowp), ("out_proj", 1.0, z.T * z.h, lowp)]
+    if block == "dense_ffn":
+        d = arch.d_ff_dense / tp
+        ups = [("ffn_up", 0.5, z.T * d, lowp)] * 2 if arch.gated_ffn else [("ffn_up", 1.0, z.T * d, lowp)]
+        return ups + [("ffn_down", 1.0, z.T * z.h, lowp)]
+    if block == "moe":
+        calls = [("router", 1.0, z.T_moe * arch.n_experts, True)]
+        ds = arch.n_shared_experts * arch.d_expert / tp
+        if ds > 0:
+            ups = [("shared_up", 0.5, z.T * ds, lowp)] * 2 if arch.gated_ffn else [("shared_up", 1.0, z.T * ds, lowp)]
+            calls += ups + [("shared_down", 1.0, z.T * z.h, lowp)]
+        return calls
+    return []
+
+
+def _op_sac(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes, block: str, count: int
+            ) -> tuple[dict[str, float], float, int]:
+    """torchtitan's per-op policy on one block: (recomputed FLOP share per op, saved matmul output
+    elements, the aten.mm count after it): every second aten.mm of a block is recomputed."""
+    shares: dict[str, float] = {}
+    saved = 0.0
+    for name, share, elems, mm in _op_sac_calls(arch, lay, z, block):
+        count += 1 if mm else 0
+        keep = mm and count % 2 == 1
+        shares[name] = shares.get(name, 0.0) + (0.0 if keep else share)
+        saved += elems if keep else 0.0
+    return shares, saved, count
+
+
+def _recomputed_modules(lay: ParallelLayout) -> set[str]:
+    """The modules a layout's selective recompute checkpoints (none under none / full)."""
+    if lay.recompute != "selective":
+        return set()
+    return set((lay.recompute_modules or "core_attn").split("+"))
+
+
 def _block_tables(blocks: dict[str, list[Op]], comms: dict[str, list[CommItem]], dev: _Device,
-                  coll: Coll, fused: Callable[[str], tuple[float, float, bool]], moe_model: bool
-                  ) -> dict[str, dict[str, float]]:
+                  coll: Coll, fused: Callable[[str], tuple[float, float, bool]], moe_model: bool,
+                  arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes) -> dict[str, dict[str, float]]:
     """Per block per micro-batch: seconds per category and phase, overlappable seconds, kernels,
     the attention core's forward, what selective recompute repeats (the core and MLA's up
     projections); communication seconds per class and phase, collective launches; the MTP block
@@ -669,8 +726,10 @@ def _block_tables(blocks: dict[str, list[Op]], comms: dict[str, list[CommItem]],
     for name, ops in blocks.items():
         table = {key: 0.0 for key in ("fwd_compute", "fwd_attention", "fwd_expert_gemm", "bwd_compute",
                                       "bwd_attention", "bwd_expert_gemm", "fwd_overlap", "bwd_overlap",
-                                      "fwd_kernels", "bwd_kernels", "core_fwd", "selective_fwd",
-                                      "selective_fwd_overlap", "selective_kernels")}
+                                      "fwd_kernels", "bwd_kernels", "core_fwd")}
+        table.update({f"selective_{mod}_{key}": 0.0 for mod in tuple(_RECOMPUTED_OPS) + ("op", "op_odd")
+                      for key in ("fwd", "fwd_overlap", "kernels")})
+        op_shares = {"op": _op_sac(arch, lay, z, name, 0)[0], "op_odd": _op_sac(arch, lay, z, name, 1)[0]}
         for op in ops:
             seconds = dev.op_phase_seconds(op)
             cat = category[op["kind"]]
@@ -683,10 +742,16 @@ def _block_tables(blocks: dict[str, list[Op]], comms: dict[str, list[CommItem]],
             table["bwd_kernels"] += op["kernels"][1] + op["kernels"][2]
             if op["name"] == "core_attention":
                 table["core_fwd"] = seconds[0]
-            if op["name"] in ("core_attention", "q_norm", "q_up", "kv_norm", "kv_up", "mla_rope"):
-                table["selective_fwd"] += seconds[0]
-                table["selective_fwd_overlap"] += seconds[0] if op["overlap"] else 0.0
-                table["selective_kernels"] += op["kernels"][0]
+            for parity, shares in op_shares.items():
+                share = shares.get(op["name"], 0.0 if op["kind"] == "attention" else 1.0)
+                table[f"selective_{parity}_fwd"] += share * seconds[0]
+                table[f"selective_{parity}_fwd_overlap"] += share * seconds[0] if op["overlap"] else 0.0
+                table[f"selective_{parity}_kernels"] += op["kernels"][0] if share > 0 else 0.0
+            for mod, names in _RECOMPUTED_OPS.items():
+                if op["name"] in names:
+                    table[f"selective_{mod}_fwd"] += seconds[0]
+                    table[f"selective_{mod}_fwd_overlap"] += seconds[0] if op["overlap"] else 0.0
+                    table[f"selective_{mod}_kernels"] += op["kernels"][0]
         tables[name] = table
     comm_class = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "ep", "ep_etp": "ep"}
     for name, items in comms.items():
@@ -778,16 +843,29 @@ def _stage_times(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes, cluster:
         st[cat] = tot(f"fwd_{cat}") + tot(f"bwd_{cat}")
     layer_fwd_s = sum(tot(f"fwd_{cat}", LAYER_BLOCKS) for cat in CATEGORIES)
     core_fwd_s = c["attention"] * table["attention"]["core_fwd"]
-    repeat_s = c["attention"] * table["attention"]["selective_fwd"]   # the core (+ MLA up projections)
+    modules = _recomputed_modules(lay)
+    odd = _op_sac(arch, lay, z, "attention", 0)[2] % 2 == 1  # the FFN blocks continue the attention's count
+
+    def recomputed(entry: str) -> float:
+        """The checkpointed modules' ops (torchtitan's op policy: its shares of every op)."""
+        out = 0.0
+        for mod in modules:
+            if mod == "op":
+                out += (tot(f"selective_op_{entry}", ("attention",))
+                        + tot(f"selective_{'op_odd' if odd else 'op'}_{entry}", ("dense_ffn", "moe")))
+            else:
+                out += tot(f"selective_{mod}_{entry}", LAYER_BLOCKS)
+        return out
+
+    repeat_s = recomputed("fwd")
     st["recompute"] = layer_fwd_s if full else (repeat_s if selective else 0.0)
     fwd_compute_s = sum(tot(f"fwd_{cat}") for cat in CATEGORIES)
     bwd_compute_s = sum(tot(f"bwd_{cat}") for cat in CATEGORIES) + st["recompute"]
     windows_s = {"fwd": tot("fwd_overlap"),
                  "bwd": tot("bwd_overlap") + (tot("fwd_overlap", LAYER_BLOCKS) if full else
-                                              (c["attention"] * table["attention"]["selective_fwd_overlap"]
-                                               if selective else 0.0))}
+                                              recomputed("fwd_overlap"))}
     attn_windows_s = {"fwd": tot("fwd_attention"),
-                      "bwd": tot("bwd_attention") + (core_fwd_s if (full or selective) else 0.0)}
+                      "bwd": tot("bwd_attention") + (core_fwd_s if (full or "core_attn" in modules) else 0.0)}
 
     # communication of one micro-batch (full recompute repeats the forward collectives)
     comm_s = {}
@@ -830,7 +908,7 @@ def _stage_times(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes, cluster:
         left_s[phase] = max(window_s, 0.0)
 
     # the host: launches per phase and what they add
-    view = _StageView(arch, lay, c, tot, full, selective, m)
+    view = _StageView(arch, lay, c, tot, full, selective, m, recomputed)
     fwd_kernels, bwd_kernels = host.phase_kernels(view)
     classes = ("cp", "tp", "ep", "pp", "fsdp")
     share = table["moe"].get("ep_sm_fraction", 0.0)
@@ -889,26 +967,37 @@ def _stage_memory(arch: MoEArchitecture, lay: ParallelLayout, cluster: ClusterSp
     up = 2.0 if arch.gated_ffn else 1.0
     fp8 = lay.precision in ("fp8", "mxfp8")
     g = 1.0 if fp8 else b                      # a tensor kept only as a GEMM input (TE fp8 copy)
-    if lay.recompute == "selective":           # core_attn checkpointed: only out_proj's input stays
+    modules = _recomputed_modules(lay)
+    norm_out = 0.0 if "layernorm" in modules else 1.0   # layernorm: the norms' outputs are recomputed
+    if "core_attn" in modules:                 # core_attn checkpointed: only out_proj's input stays
         kept = g * T * h_q / tp
     else:                                      # flash keeps its output (bf16) and fp32 log-sum-exp
         kept = (b + (g if fp8 else 0.0)) * T * h_q / tp + 4.0 * T * arch.n_heads / tp
-    attention = (b + g) * T_sp * h + b * T * (h_q + 2 * h_kv) / tp + kept
+    attention = (b + norm_out * g) * T_sp * h + b * T * (h_q + 2 * h_kv) / tp + kept
     if arch.kv_lora_rank > 0:   # MLA: latents, Q/K/V, core output; selective keeps latents + out_proj input
         H, d_q, d_v = arch.n_heads, arch.head_dim, arch.v_head_dim
         latents = b * T * (arch.q_lora_rank + arch.kv_lora_rank + arch.qk_rope_head_dim)
         out = T * H * d_v / tp
-        if lay.recompute == "selective":
-            stored = g * out
+        stored = 0.0 if "mla_up_proj" in modules else b * T * H * (2 * d_q + d_v) / tp
+        if "core_attn" in modules:
+            stored += g * out
         else:
-            stored = b * T * H * (2 * d_q + d_v) / tp + (b + (g if fp8 else 0.0)) * out + 4.0 * T * H / tp
-        attention = (b + g) * T_sp * h + latents + stored
-    dense = (b + g) * T_sp * h + (b * up + g) * T * arch.d_ff_dense / tp
+            stored += (b + (g if fp8 else 0.0)) * out + 4.0 * T * H / tp
+        attention = (b + norm_out * g) * T_sp * h + latents + stored
+    dense = (b + norm_out * g) * T_sp * h + (0.0 if "mlp" in modules else (b * up + g) * T * arch.d_ff_dense / tp)
+    act_out = 0.0 if "moe_act" in modules else g
+    if "op" in modules:  # torchtitan's per-op policy: the block input, saved matmul outputs, the core
+        _, saved, count = _op_sac(arch, lay, z, "attention", 0)
+        core_out = T * arch.n_heads * arch.v_head_dim / tp if arch.kv_lora_rank > 0 else T * h_q / tp
+        attention = b * T_sp * h + b * (saved + core_out) + 4.0 * T * arch.n_heads / tp
+        dense = b * _op_sac(arch, lay, z, "dense_ffn", count)[1]
     shared = arch.n_shared_experts * arch.d_expert
     d_loc = arch.d_expert / lay.etp
     M_kept = z.M_kept                          # stored over many layers: the mean rows per rank
-    moe = (2 * b * T_sp * h + 4.0 * T_moe * arch.n_experts + M_kept * (g * h + (b * up + g) * d_loc + 4.0)
+    moe = ((1.0 + norm_out) * b * T_sp * h + 4.0 * T_moe * arch.n_experts + M_kept * (g * h + (b * up + act_out) * d_loc + 4.0)
            + (((g * T_sp * h) if fp8 else 0.0) + (b * up + g) * T * shared / tp if shared > 0 else 0.0))
+    if "op" in modules:
+        moe = b * _op_sac(arch, lay, z, "moe", _op_sac(arch, lay, z, "attention", 0)[2])[1]
     held_mb = (pp - rank) if vpp == 1 else ((pp - rank - 1) * 2 + (vpp - 1) * pp + 1) / vpp
     held_mb = min(held_mb, m)
     if lay.recompute == "full":
@@ -963,7 +1052,7 @@ def evaluate_one(arch: MoEArchitecture, layout: ParallelLayout, cluster: Cluster
 
     comms = host.block_comms(arch, lay, z, _megatron_comms(arch, lay, z))
     moe_model = arch.n_experts > 0 and arch.n_layers > arch.n_dense_layers
-    table = _block_tables(_block_ops(arch, lay, z), comms, dev, coll, fused, moe_model)
+    table = _block_tables(_block_ops(arch, lay, z), comms, dev, coll, fused, moe_model, arch, lay, z)
 
     rank_counts = _rank_counts(arch, lay)
     order = [0] + ([lay.pp - 1] if lay.pp > 1 else []) + list(range(1, lay.pp - 1))  # ties: first, last, middle

@@ -102,9 +102,9 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
     layer_fwd_s = sum(total(f"fwd_{cat}", LAYER_BLOCKS) for cat in CATEGORIES)
     layer_fwd_overlap_s = total("fwd_overlap", LAYER_BLOCKS)
     core_fwd_s = counts["attention"] * stage.tables["attention"]["core_fwd"]
-    # selective recompute repeats the core (and MLA's up projections, tables.py)
-    selective_fwd_s = counts["attention"] * stage.tables["attention"]["selective_fwd"]
-    selective_overlap_s = counts["attention"] * stage.tables["attention"]["selective_fwd_overlap"]
+    # selective recompute repeats the ops of the modules it checkpoints (tables.py)
+    selective_fwd_s = stage.recomputed("fwd")
+    selective_overlap_s = stage.recomputed("fwd_overlap")
     recompute_s = select(full, layer_fwd_s, select(selective, selective_fwd_s, 0.0))
     out["recompute"] = recompute_s
 
@@ -114,7 +114,7 @@ def stage_times(stage: StageBlocks, overlap: Overlap, hw: HardwareView, pricer: 
     bwd_window_s = total("bwd_overlap") + select(full, layer_fwd_overlap_s, select(selective, selective_overlap_s,
                                                                                           0.0))
     fwd_attn_s = total("fwd_attention")
-    bwd_attn_s = total("bwd_attention") + select(full | selective, core_fwd_s, 0.0)
+    bwd_attn_s = total("bwd_attention") + select(full | stage.modules["core_attn"], core_fwd_s, 0.0)
 
     dense_params, expert_params = stage_params(arch, lay, counts)
     comm_s, param_gather_s, grad_scatter_s = _micro_batch_comm(stage, pricer, dense_params, expert_params)

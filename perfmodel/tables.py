@@ -5,8 +5,8 @@ and per layer of the block:
 - time per category (compute, attention, expert_gemm) and phase (fwd; bwd =
   dgrad + wgrad), each op priced by `op_times` (roofline with efficiencies);
 - the overlappable time (GEMMs, attention: what communication may hide
-  behind), the kernels launched, the attention core's forward, and what selective
-  recompute repeats (the core; with MLA also the up projections, `operators.MLA_UP_OPS`);
+  behind), the kernels launched, the attention core's forward, and what each selective
+  recompute module repeats (`selective_{module}_*`, `operators.RECOMPUTE_MODULE_OPS`);
 - communication seconds per class (tp, cp, ep; etp counts as ep) and phase, and
   the collective launches, from the host's collective list (`comms_of`:
   `perfmodel.host.HostDispatch.block_comms`) priced by `perfmodel.comm.CollectivePricer`;
@@ -42,8 +42,8 @@ from perfmodel.operators import (
     FP8,
     FULL,
     HYBRIDEP,
-    MLA_UP_OPS,
     PHASES,
+    RECOMPUTE_MODULE_OPS,
     SELECTIVE,
     Comm,
     Op,
@@ -55,8 +55,11 @@ from perfmodel.operators import (
     head_ops,
     moe_ops,
     mtp_ops,
+    op_sac,
+    op_sac_share,
     precision_code,
     recompute_code,
+    recomputes,
     shapes,
 )
 from perfmodel.specs.architecture import MLA_FIELDS, ArchBatch
@@ -149,12 +152,24 @@ def _builders(mtp: bool) -> tuple[tuple[str, Callable[[ArchLike, LayoutLike], li
 
 
 def block_table(arch: ArchLike, lay: LayoutLike, builder: Callable[[ArchLike, LayoutLike], list[Op]],
-                comms: list[Comm], pricer: CollectivePricer, hw: HardwareView) -> BlockTable:
-    """One block's table (`block_tables`) from its ops (`builder`) and its collectives."""
+                comms: list[Comm], pricer: CollectivePricer, hw: HardwareView,
+                op_policy: Optional[bool] = None) -> BlockTable:
+    """One block's table (`block_tables`) from its ops (`builder`) and its collectives; the
+    entries of torchtitan's per-op policy where `op_policy` (default: some row of `lay` uses it;
+    a table shared by a group of rows is told whether any row of the batch does)."""
     table: BlockTable = {f"{ph}_{cat}": 0.0 for ph in ("fwd", "bwd") for cat in CATEGORIES}
     table.update(fwd_overlap=0.0, bwd_overlap=0.0, fwd_kernels=0.0, bwd_kernels=0.0, core_fwd=0.0)
-    selective: dict[str, Values] = {"selective_fwd": 0.0, "selective_fwd_overlap": 0.0, "selective_kernels": 0.0}
-    for op in builder(arch, lay):
+    selective: dict[str, Values] = {f"selective_{m}_{key}": 0.0 for m in RECOMPUTE_MODULE_OPS
+                                    for key in ("fwd", "fwd_overlap", "kernels")}
+    module_of = {op_name: m for m, names in RECOMPUTE_MODULE_OPS.items() for op_name in names}
+    ops = builder(arch, lay)
+    # torchtitan's per-op policy, from an even and an odd matmul count at the block's start (a
+    # dense FFN or MoE block follows an attention block of either parity: StageBlocks.recomputed)
+    selective.update({f"selective_op_odd_{key}": 0.0 for key in ("fwd", "fwd_overlap", "kernels")})
+    op_policy = bool(np.any(recomputes(lay, "op"))) if op_policy is None else op_policy
+    op_shares = ({parity: op_sac(arch, lay, ops[0].block, start)[0] for parity, start in (("op", 0.0), ("op_odd", 1.0))}
+                 if ops and op_policy else {})  # no row of the batch on that policy: its entries stay 0
+    for op in ops:
         fwd_s, dgrad_s, wgrad_s = op_times(op, hw)
         cat = KIND_CATEGORY[op.kind]
         table[f"fwd_{cat}"] = table[f"fwd_{cat}"] + fwd_s
@@ -166,10 +181,19 @@ def block_table(arch: ArchLike, lay: LayoutLike, builder: Callable[[ArchLike, La
         table["bwd_kernels"] = table["bwd_kernels"] + op.kernels[1] + op.kernels[2]
         if op.name == "core_attention":
             table["core_fwd"] = table["core_fwd"] + fwd_s  # a mixed MHA/MLA batch has both cores, each zero where unused
-        if op.name == "core_attention" or op.name in MLA_UP_OPS:
-            selective["selective_fwd"] = selective["selective_fwd"] + fwd_s
-            selective["selective_fwd_overlap"] = selective["selective_fwd_overlap"] + (fwd_s if op.overlappable else 0.0)
-            selective["selective_kernels"] = selective["selective_kernels"] + op.kernels[0]
+        m = module_of.get(op.name)
+        if m is not None:
+            selective[f"selective_{m}_fwd"] = selective[f"selective_{m}_fwd"] + fwd_s
+            selective[f"selective_{m}_fwd_overlap"] = (selective[f"selective_{m}_fwd_overlap"]
+                                                       + (fwd_s if op.overlappable else 0.0))
+            selective[f"selective_{m}_kernels"] = selective[f"selective_{m}_kernels"] + op.kernels[0]
+        for parity, shares in op_shares.items():
+            share = op_sac_share(op, shares)
+            selective[f"selective_{parity}_fwd"] = selective[f"selective_{parity}_fwd"] + share * fwd_s
+            selective[f"selective_{parity}_fwd_overlap"] = (selective[f"selective_{parity}_fwd_overlap"]
+                                                           + (share * fwd_s if op.overlappable else 0.0))
+            selective[f"selective_{parity}_kernels"] = (selective[f"selective_{parity}_kernels"]
+                                                       + np.where(np.asarray(share) > 0, op.kernels[0], 0.0))
     table.update(selective)
     for cls in ("tp", "cp", "ep"):
         table[f"fwd_{cls}"] = 0.0
@@ -250,6 +274,7 @@ def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec,
     comms = comms_of(arch, lay)
     tokens = None
     tables: Tables = {}
+    op_policy = bool(np.any(recomputes(lay, "op")))  # a group's rows are not told apart by recompute
     for block, builder in _builders("mtp" in comms):
         groups = None
         if block in GROUPED_BLOCKS and len(hw.share) >= 256:
@@ -259,12 +284,12 @@ def shared_block_tables(arch: ArchBatch, lay: LayoutBatch, cluster: ClusterSpec,
                                       + [hw.share])
             groups = block_groups(block, arch, lay, tokens)
         if groups is None:
-            tables[block] = block_table(arch, lay, builder, comms[block], pricer, hw)
+            tables[block] = block_table(arch, lay, builder, comms[block], pricer, hw, op_policy)
             continue
         first, inverse = groups
         sub_hw = hw.take(first)
         sub = block_table(arch.take(first), lay.take(first), builder, _comms_at(comms[block], first),
-                          pricer.take(first, sub_hw.share), sub_hw)
+                          pricer.take(first, sub_hw.share), sub_hw, op_policy)
         tables[block] = {k: (np.asarray(v)[inverse] if np.ndim(v) else v) for k, v in sub.items()}
     if "mtp" in tables:
         _add_mtp_layer(arch, tables)
@@ -291,7 +316,26 @@ class StageBlocks:
         code = np.asarray(recompute_code(lay))
         self.full = code == FULL
         self.selective = code == SELECTIVE
+        self.modules = {m: np.asarray(recomputes(lay, m)) for m in RECOMPUTE_MODULE_OPS}
+        """Per selective recompute module, the rows that checkpoint it."""
         self._memo: dict[tuple[str, tuple[str, ...]], Values] = {}
+
+    def recomputed(self, entry: str) -> Values:
+        """Sum over the selective recompute modules each row checkpoints of the layer blocks'
+        `selective_{module}_{entry}` (entry: fwd, fwd_overlap, kernels)."""
+        acc: Values = 0.0
+        for m, on in self.modules.items():
+            if not on.any():
+                continue
+            if m == "op":  # the FFN / MoE blocks continue the attention block's matmul count
+                odd = np.mod(op_sac(self.arch, self.lay, "attention")[2], 2.0) == 1.0
+                ffn = ("dense_ffn", "moe")
+                value = self.total(f"selective_op_{entry}", ("attention",)) + np.where(
+                    odd, self.total(f"selective_op_odd_{entry}", ffn), self.total(f"selective_op_{entry}", ffn))
+            else:
+                value = self.total(f"selective_{m}_{entry}", LAYER_BLOCKS)
+            acc = acc + np.where(on, value, 0.0)
+        return acc
 
     def total(self, key: str, blocks: Optional[tuple[str, ...]] = None) -> Values:
         """Sum over `blocks` (default: all, in table order) of (blocks on this stage) x

@@ -32,9 +32,8 @@ Mapping from the plan (MOSAIC symbol -> Megatron option):
   E_s                   --moe-shared-expert-intermediate-size E_s*d_expert (Megatron's total
                         shared width: "num_shared_experts * ffn_size_of_each_shared_expert")
   n_dense_layers        --moe-layer-freq "([0]*n+[1]*(L-n))" (a per-layer 0/1 pattern)
-  recompute             selective: --recompute-granularity selective --recompute-modules core_attn
-                        (the attention core, as the performance model's "selective"; with MLA also
-                        mla_up_proj, the up projections the model recomputes);
+  recompute             selective: --recompute-granularity selective --recompute-modules <the layout's
+                        recompute_modules, '+' -> ' '; core_attn when not given, Megatron's default>;
                         full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
   precision             bf16: --bf16; fp16: --fp16; fp8: --bf16 --fp8-format hybrid --fp8-recipe delayed;
                         mxfp8: --bf16 --fp8-format e4m3 --fp8-recipe mxfp8; fp32: (none)
@@ -175,7 +174,11 @@ def parallel_args(plan: Plan, fsdp_args: tuple[str, ...], split_args: list[str])
 def recompute_args(plan: Plan) -> list[str]:
     mode = plan.layout.recompute
     if mode == "selective":
-        modules = ["core_attn", "mla_up_proj"] if plan.model.kv_lora_rank > 0 else ["core_attn"]
+        modules = (plan.layout.recompute_modules or "core_attn").split("+")
+        if modules == ["op"]:
+            raise InputError(f"{plan.source}: key 'layout.recompute_modules': 'op' is torchtitan's per-op policy, "
+                             "which Megatron-Core has no --recompute-modules for; plan with Megatron's modules "
+                             "(e.g. core_attn) or export --format torchtitan")
         return ["--recompute-granularity", "selective", "--recompute-modules", *modules]
     if mode == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]

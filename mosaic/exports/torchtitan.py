@@ -38,8 +38,9 @@ Layout mapping:
           the nearest FSDP2 policy to Megatron's distributed optimizer)
   ddp     data_parallel_replicate_degree = dp; with ep > 1 torchtitan needs FSDP on the expert
           ranks, so the smallest shard degree that holds ep is used (HSDP) and the header says so
-  recompute selective -> mode "selective" with selective_ac_option "op" (per-op policy: matmul
-          outputs saved, cheap ops recomputed; Megatron's selective recomputes the attention core)
+  recompute selective -> mode "selective" with selective_ac_option "op" (per-op policy: every other
+          matmul output saved, the rest recomputed): exact for recompute_modules=op, which the
+          performance model prices as such; for Megatron's modules a stand-in (a WARNING line)
   overlap tp_comm_overlap -> parallelism.enable_async_tensor_parallel = true with compile.enable
           = true (async TP runs only compiled, job_config.py); overlap_grad_reduce /
           overlap_param_gather: FSDP2 prefetches the next gather and reduces behind the backward
@@ -130,6 +131,9 @@ def model_differences(plan: Plan) -> list[str]:
         notes.append(f"torchtitan has no {lay.dispatcher} dispatcher: the export uses its standard all-to-all")
     if m.n_experts > 0 and lay.capacity_factor is not None:
         notes.append("torchtitan routes dropless: the plan's capacity factor is left out")
+    if lay.recompute == "selective" and lay.recompute_modules != "op":
+        notes.append(f"torchtitan's selective checkpointing is per-op (selective_ac_option op); the plan priced "
+                     f"Megatron's {lay.recompute_modules or 'core_attn'} (recompute_modules=op prices torchtitan's)")
     return notes
 
 

@@ -147,9 +147,14 @@ def trainer_precision(layout: ParallelLayout, device: str) -> str:
     return "fp32" if layout.precision == "fp32" else "bf16"
 
 
+TRAINER_RECOMPUTE_MODULES = {False: ("core_attn",), True: ("core_attn", "core_attn+mla_up_proj")}
+"""The selective recompute module sets the bundled trainer implements, without / with MLA."""
+
+
 def unsupported_features(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:
     """Model and layout features the bundled trainer does not implement (one message each): MTP,
-    MLA with tensor parallel, the allgather / fused dispatchers, capacity factors."""
+    MLA with tensor parallel, the allgather / fused dispatchers, capacity factors, selective
+    recompute modules beyond TRAINER_RECOMPUTE_MODULES."""
     problems = []
     if model.n_mtp_layers > 0:
         problems.append(f"n_mtp_layers={model.n_mtp_layers}: multi-token prediction is not implemented in the bundled "
@@ -163,7 +168,13 @@ def unsupported_features(model: MoEArchitecture, layout: ParallelLayout) -> list
     if layout.capacity_factor is not None:
         problems.append(f"capacity_factor={layout.capacity_factor:g}: the bundled trainer routes dropless; "
                         "leave capacity_factor out")
+    supported = TRAINER_RECOMPUTE_MODULES[model.kv_lora_rank > 0]
+    if layout.recompute == "selective" and (layout.recompute_modules or "core_attn") not in supported:
+        problems.append(f"recompute_modules={layout.recompute_modules}: the bundled trainer's selective recompute "
+                        f"checkpoints {' or '.join(supported)}; set recompute_modules to one of those, or export "
+                        "the plan (mosaic export --format megatron)")
     return problems
+
 
 
 def trainer_limits(model: MoEArchitecture, layout: ParallelLayout) -> list[str]:

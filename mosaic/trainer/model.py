@@ -88,8 +88,9 @@ class LatentAttention(nn.Module):
     values: h -> r_kv latent + one shared rotary key of d_r (wkv_a), the latent normalised and
     expanded to H non-rotary keys of d_q - d_r and H values of d_v (wkv_b). RoPE (rotate-half, as
     `Attention`) on the rotary parts; a head's key is [non-rotary key, the shared rotary key].
-    Selective recompute (`checkpoint_core`) recomputes the up projections with the core
-    (Megatron's mla_up_proj + core_attn): only the latents are kept."""
+    Selective recompute: `checkpoint_core` recomputes the attention core (Megatron's core_attn:
+    Q, K, V stay stored); with `checkpoint_up` as well, the up projections and RoPE with it
+    (core_attn + mla_up_proj): only the latents are kept."""
 
     def __init__(self, arch: MoEArchitecture):
         super().__init__()
@@ -108,10 +109,16 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.r_kv, H * (self.d_n + self.d_v), bias=False)
         self.wo = nn.Linear(H * self.d_v, h, bias=False)
         self.checkpoint_core = False
+        self.checkpoint_up = False
 
     def up_and_core(self, q_lat_BTR: torch.Tensor, kv_lat_BTR: torch.Tensor, k_rope_BTD: torch.Tensor,
                     positions_BT: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """Up projections, RoPE and the attention core: (B, T, H * d_v)."""
+        return self.core(*self.up(q_lat_BTR, kv_lat_BTR, k_rope_BTD, positions_BT), mask)
+
+    def up(self, q_lat_BTR: torch.Tensor, kv_lat_BTR: torch.Tensor, k_rope_BTD: torch.Tensor,
+           positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Up projections and RoPE: Q, K, V as (B, H, T, d)."""
         B, T, _ = q_lat_BTR.shape
         H = self.n_heads
         q = (self.wq_b(self.q_norm(q_lat_BTR)) if self.r_q > 0 else self.wq(q_lat_BTR)).view(B, T, H, self.d_q)
@@ -121,18 +128,26 @@ class LatentAttention(nn.Module):
         k = torch.cat([kv[..., :self.d_n], k_rope], dim=-1)
         v = kv[..., self.d_n:]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
+        return q, k, v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The attention core on (B, H, T, d) heads: (B, T, H * d_v)."""
+        B, _, T, _ = q.shape
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return out.transpose(1, 2).reshape(B, T, H * self.d_v)
+        return out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v)
 
     def forward(self, x_BTH: torch.Tensor, positions_BT: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         q_lat = self.wq_a(x_BTH) if self.r_q > 0 else x_BTH
         kv_lat, k_rope = self.wkv_a(x_BTH).split([self.r_kv, self.d_r], dim=-1)
-        if self.checkpoint_core and torch.is_grad_enabled():
+        if self.checkpoint_up and self.checkpoint_core and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self.up_and_core, q_lat, kv_lat, k_rope, positions_BT, mask,
                                                     use_reentrant=False)
+        elif self.checkpoint_core and torch.is_grad_enabled():
+            q, k, v = self.up(q_lat, kv_lat, k_rope, positions_BT)
+            out = torch.utils.checkpoint.checkpoint(self.core, q, k, v, mask, use_reentrant=False)
         else:
             out = self.up_and_core(q_lat, kv_lat, k_rope, positions_BT, mask)
         return self.wo(out)

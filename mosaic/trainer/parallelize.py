@@ -9,7 +9,8 @@ Order (as `parallelize` applies them; torchtitan's order):
                  `all_to_all_single` with variable splits (dispatch and combine live
                  here, outside the MoE module); with etp > 1 each expert's d_expert is
                  split over the etp group (rows gathered there, partial outputs summed back).
-  3. `apply_ac`  activation recompute (none / selective: attention core / full: each block).
+  3. `apply_ac`  activation recompute (none / selective: attention core, with MLA optionally its
+                 up projections / full: each block).
   4. `apply_dp`  data parallel for the NON-expert parameters: DDP (`ddp`; FSDP2 `replicate`
                  with tensor parallel), FSDP2 `fully_shard` keeping weights gathered through
                  the step (`zero1`: optimizer state and gradients sharded) or resharding
@@ -257,11 +258,16 @@ def apply_ep(model: Transformer, meshes: Meshes) -> None:
 # ---------------------------------------------------------------------------
 # Activation recompute
 
-def apply_ac(model: Transformer, mode: str) -> None:
-    """none; selective: recompute the attention core (SDPA); full: recompute every block."""
+def apply_ac(model: Transformer, mode: str, modules: Optional[str] = None) -> None:
+    """none; selective: recompute the attention core (SDPA; `modules` core_attn, the default) and
+    with MLA also its up projections (core_attn+mla_up_proj); full: recompute every block.
+    Other module sets are refused by `config.trainer_limits` (TRAINER_RECOMPUTE_MODULES)."""
+    up = mode == "selective" and "mla_up_proj" in (modules or "").split("+")
     model.checkpoint_blocks = mode == "full"
     for block in model.layers.values():
         block.attn.checkpoint_core = mode == "selective"
+        if hasattr(block.attn, "checkpoint_up"):
+            block.attn.checkpoint_up = up
 
 
 # ---------------------------------------------------------------------------
@@ -376,7 +382,7 @@ def parallelize(model: Transformer, layout: ParallelLayout, meshes: Meshes) -> n
     """Apply TP, EP, recompute and DP in that order; returns the module to call (maybe a DDP wrapper)."""
     apply_tp(model, meshes.tp_mesh, layout.sequence_parallel)
     apply_ep(model, meshes)
-    apply_ac(model, layout.recompute)
+    apply_ac(model, layout.recompute, layout.recompute_modules)
     return apply_dp(model, meshes, layout.dp_flavor)
 
 
@@ -386,7 +392,7 @@ def parallelize_stage(chunk: Transformer, layout: ParallelLayout, meshes: Meshes
 
     apply_tp(chunk, meshes.tp_mesh, layout.sequence_parallel)
     apply_ep(chunk, meshes)
-    apply_ac(chunk, layout.recompute)
+    apply_ac(chunk, layout.recompute, layout.recompute_modules)
     return apply_dp(chunk, meshes, layout.dp_flavor, root=StageModule(chunk))
 
 

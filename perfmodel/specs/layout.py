@@ -43,8 +43,17 @@ CORE_LAYOUT_FIELDS = (
 SPLIT_FIELDS = ("first_stage_layers", "last_stage_layers", "account_embedding", "account_loss", "pp_layout",
                 "balanced_split")
 DISPATCH_FIELDS = ("dispatcher", "capacity_factor", "pad_to_capacity")
-LAYOUT_FIELDS = CORE_LAYOUT_FIELDS + OVERLAP_FIELDS + SPLIT_FIELDS + DISPATCH_FIELDS
-OPTIONAL_LAYOUT_FIELDS = OVERLAP_FIELDS + SPLIT_FIELDS + DISPATCH_FIELDS
+RECOMPUTE_FIELDS = ("recompute_modules",)
+LAYOUT_FIELDS = CORE_LAYOUT_FIELDS + OVERLAP_FIELDS + SPLIT_FIELDS + DISPATCH_FIELDS + RECOMPUTE_FIELDS
+OPTIONAL_LAYOUT_FIELDS = OVERLAP_FIELDS + SPLIT_FIELDS + DISPATCH_FIELDS + RECOMPUTE_FIELDS
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "op")
+"""Megatron-Core's `--recompute-modules` under `--recompute-granularity selective` that MOSAIC
+prices (`perfmodel.operators.RECOMPUTE_MODULE_OPS`, `perfmodel.memory`; its `moe` and
+`shared_experts` modules are not priced: refused by name), and `op`, torchtitan's per-op policy
+(`selective_ac_option = "op"`, `perfmodel.operators.op_sac`), which stands alone."""
+UNPRICED_RECOMPUTE_MODULES = ("moe", "shared_experts")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
+"""Megatron-Core's default `--recompute-modules`."""
 """Fields with a default that a runs CSV, a layout string or a plan may leave out."""
 BOOL_FIELDS = ("sequence_parallel",) + OVERLAP_FIELDS + ("account_embedding", "account_loss", "balanced_split",
                                                        "pad_to_capacity")
@@ -120,6 +129,10 @@ class ParallelLayout:
     """Expert capacity as a multiple of the mean load (tokens beyond it are dropped); None = dropless."""
     pad_to_capacity: bool = False
     """Pad every expert's input to its capacity (--moe-pad-expert-input-to-capacity)."""
+    # --- selective recompute (RECOMPUTE_FIELDS) ---
+    recompute_modules: Optional[str] = None
+    """The modules selective recompute checkpoints, '+'-joined (Megatron-Core --recompute-modules):
+    of RECOMPUTE_MODULES; None = Megatron-Core's default, core_attn."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "ep", "etp", "cp", "mbs"):
@@ -140,6 +153,14 @@ class ParallelLayout:
               "needs capacity_factor (the padding target)", "set capacity_factor, e.g. 1.0, or drop pad_to_capacity")
         check(not (self.pad_to_capacity and self.dispatcher == "deepep"), "pad_to_capacity",
               "is not supported by the deepep dispatcher (Megatron-Core's rule)", "use hybridep or alltoall to pad")
+        if self.recompute_modules is not None:
+            check(self.recompute == "selective", "recompute_modules",
+                  f"is for recompute=selective, got recompute={self.recompute}",
+                  "set recompute=selective (Megatron's --recompute-granularity selective) or drop recompute_modules")
+            mask = recompute_module_mask(self.recompute_modules)  # names each unknown module
+            # one spelling per set (RECOMPUTE_MODULES order; the default as None): equal sets, equal layouts
+            object.__setattr__(self, "recompute_modules",
+                               None if mask == DEFAULT_RECOMPUTE_MASK else recompute_module_names(mask))
 
     def _check_split(self) -> None:
         """The split options exclude each other as Megatron-Core's do, and need a pipeline."""
@@ -211,7 +232,7 @@ class ParallelLayout:
         if self.gbs is not None:
             parts.append(f"gbs{self.gbs}")
         if self.recompute != "none":
-            parts.append(f"rc={self.recompute}")
+            parts.append(f"rc={self.recompute}" + (f"[{self.recompute_modules}]" if self.recompute_modules else ""))
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(self.precision)
@@ -278,6 +299,31 @@ def gbs_holding_tokens(mbs: Any, dp: Any, seq_len: Any, tokens: float) -> np.nda
     return (np.maximum(1, np.ceil(want / unit)) * unit).astype(np.int64)
 
 
+def recompute_module_mask(modules: Optional[str]) -> int:
+    """Bit mask (bit i: RECOMPUTE_MODULES[i]) of a '+'-joined module list; None = the default."""
+    names = DEFAULT_RECOMPUTE_MODULES if modules is None else tuple(filter(None, (m.strip() for m in
+                                                                                  str(modules).split("+"))))
+    check(len(names) > 0, "recompute_modules", "is empty", "name modules, e.g. core_attn+moe_act, or leave it out")
+    mask = 0
+    for name in names:
+        check(name not in UNPRICED_RECOMPUTE_MODULES, "recompute_modules", f"module {name!r} is not priced",
+              f"use full recompute, or modules of {'+'.join(RECOMPUTE_MODULES)}")
+        check(name in RECOMPUTE_MODULES, "recompute_modules", f"module {name!r} is unknown",
+              f"use modules of {'+'.join(RECOMPUTE_MODULES)}, '+'-joined")
+        mask |= 1 << RECOMPUTE_MODULES.index(name)
+    check("op" not in names or len(set(names)) == 1, "recompute_modules",
+          "'op' (torchtitan's per-op policy) excludes Megatron's modules", "give op alone, or Megatron modules")
+    return mask
+
+
+def recompute_module_names(mask: int) -> str:
+    """The '+'-joined module list of a mask (RECOMPUTE_MODULES order)."""
+    return "+".join(m for i, m in enumerate(RECOMPUTE_MODULES) if int(mask) >> i & 1)
+
+
+DEFAULT_RECOMPUTE_MASK = sum(1 << RECOMPUTE_MODULES.index(m) for m in DEFAULT_RECOMPUTE_MODULES)
+
+
 _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelLayout) if f.name in OPTIONAL_LAYOUT_FIELDS}
 _ALIASES = {"sp": "sequence_parallel", "dp_type": "dp_flavor", "flavor": "dp_flavor"}
 _TRUE = {"true", "1", "yes", "on"}
@@ -322,7 +368,7 @@ class LayoutBatch:
     """Column-wise numpy arrays of resolved layouts; categorical fields as codes.
 
     dp_flavor indexes DP_FLAVORS, recompute RECOMPUTE_MODES, precision PRECISIONS, dispatcher
-    DISPATCHERS. The optional fields (OPTIONAL_LAYOUT_FIELDS) may be left out (None: every row
+    DISPATCHERS; recompute_modules is a bit mask over RECOMPUTE_MODULES (default: core_attn). The optional fields (OPTIONAL_LAYOUT_FIELDS) may be left out (None: every row
     at its default); None entries are -1 (first/last_stage_layers) or 0 (capacity_factor).
     `pp_layout` keeps the strings (object array; None where not given), `stage_layers` their
     per-virtual-stage layer counts ((n, max stages), -1 padded) and `stage_mtp` their MTP
@@ -355,6 +401,7 @@ class LayoutBatch:
     dispatcher: Optional[np.ndarray] = None
     capacity_factor: Optional[np.ndarray] = None
     pad_to_capacity: Optional[np.ndarray] = None
+    recompute_modules: Optional[np.ndarray] = None
     stage_layers: Optional[np.ndarray] = None
     stage_mtp: Optional[np.ndarray] = None
 
@@ -363,7 +410,7 @@ class LayoutBatch:
         defaults = {**{name: (False, bool) for name in OVERLAP_FIELDS}, "first_stage_layers": (-1, np.int64), "last_stage_layers": (-1, np.int64),
                     "account_embedding": (False, bool), "account_loss": (False, bool),
                     "balanced_split": (False, bool), "dispatcher": (0, np.int64), "capacity_factor": (0.0, float),
-                    "pad_to_capacity": (False, bool)}
+                    "pad_to_capacity": (False, bool), "recompute_modules": (DEFAULT_RECOMPUTE_MASK, np.int64)}
         for name, (value, dtype) in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.full(n, value, dtype=dtype))
@@ -389,6 +436,8 @@ class LayoutBatch:
                 cols[name] = np.asarray([PRECISIONS.index(v) for v in values], dtype=np.int64)
             elif name == "dispatcher":
                 cols[name] = np.asarray([DISPATCHERS.index(v) for v in values], dtype=np.int64)
+            elif name == "recompute_modules":
+                cols[name] = np.asarray([recompute_module_mask(v) for v in values], dtype=np.int64)
             elif name in BOOL_FIELDS:
                 cols[name] = np.asarray(values, dtype=bool)
             elif name == "pp_layout":
@@ -413,6 +462,9 @@ class LayoutBatch:
         values["recompute"] = RECOMPUTE_MODES[values["recompute"]]
         values["precision"] = PRECISIONS[values["precision"]]
         values["dispatcher"] = DISPATCHERS[values["dispatcher"]]
+        values["recompute_modules"] = (None if values["recompute"] != "selective"
+                                       or values["recompute_modules"] == DEFAULT_RECOMPUTE_MASK
+                                       else recompute_module_names(values["recompute_modules"]))
         for name in ("first_stage_layers", "last_stage_layers"):
             values[name] = None if values[name] < 0 else values[name]
         values["capacity_factor"] = None if values["capacity_factor"] <= 0 else values["capacity_factor"]

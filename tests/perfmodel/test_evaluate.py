@@ -11,6 +11,7 @@ import pytest
 
 from perfmodel import REASONS, evaluate, goodput, load_cluster
 from perfmodel.comm import collective_time
+from perfmodel.errors import InputError
 from perfmodel.evaluate import HIDDEN_COMPONENTS, STEP_COMPONENTS
 from perfmodel.kernels import flat_figures
 from perfmodel.memory import MEMORY_COMPONENTS
@@ -471,3 +472,115 @@ def test_mfu_at_128k_context_counts_the_causal_attention_executed():
     assert perfect.mfu_palm[0] > 1.0  # the convention's numerator counts the masked half too
     real = evaluate(long, layout, H100)
     assert 0.0 < real.mfu[0] < 1.0 and real.mfu_palm[0] > real.mfu[0]
+
+
+MLA_MOE = MoEArchitecture(
+    n_layers=4, d_model=512, n_heads=8, n_kv_heads=8, head_dim=64, vocab_size=32000, seq_len=1024,
+    n_experts=8, top_k=2, n_shared_experts=1, d_expert=256, d_ff_dense=1024, n_dense_layers=1,
+    q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=32, v_head_dim=64)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_each_recompute_module_drops_the_tensors_it_discards_and_repeats_its_ops(precision):
+    """Megatron-Core --recompute-modules: each module added to core_attn lowers the stored bytes by
+    exactly what memory.py says it discards, and adds the forward of its ops to the backward."""
+    from perfmodel.memory import layer_activation_bytes
+    from perfmodel.operators import activation_bytes, gemm_operand_bytes, mla_widths, shapes
+
+    cluster = load_cluster("h100")
+
+    def layout(modules):
+        return parse_layout(f"ep=8,mbs=1,gbs=8,recompute=selective,precision={precision}"
+                            + (f",recompute_modules={modules}" if modules else ""), devices=8)
+
+    base = layout(None)
+    assert base.recompute_modules is None and layout("core_attn").recompute_modules is None  # the default
+    sh, w = shapes(MLA_MOE, base), mla_widths(MLA_MOE, base)
+    b, g = activation_bytes(base), gemm_operand_bytes(base)
+    T, h, M = float(sh["T"]), float(sh["h"]), float(sh["M_kept"])
+    dropped = {  # per block of one layer and micro-batch
+        "mla_up_proj": {"attention": b * T * w["H"] * (2 * w["d_q"] + w["d_v"])},
+        "layernorm": {"attention": g * T * h, "dense_ffn": g * T * h, "moe": b * T * h},
+        "moe_act": {"moe": g * M * MLA_MOE.d_expert},
+        "mlp": {"dense_ffn": (2 * b + g) * T * MLA_MOE.d_ff_dense},
+    }
+    before = layer_activation_bytes(MLA_MOE, base)
+    r0 = evaluate(MLA_MOE, base, cluster)
+    for module, by_block in dropped.items():
+        lay = layout(f"core_attn+{module}")
+        after = layer_activation_bytes(MLA_MOE, lay)
+        for block in ("attention", "dense_ffn", "moe"):
+            assert float(before[block] - after[block]) == pytest.approx(float(by_block.get(block, 0.0)), rel=1e-9), \
+                (module, block)
+        r = evaluate(MLA_MOE, lay, cluster)
+        assert r.memory_breakdown["activations"][0] < r0.memory_breakdown["activations"][0], module
+        assert r.breakdown["recompute"][0] > r0.breakdown["recompute"][0], module
+    # without core_attn the core keeps its output and log-sum-exp again
+    alone = layer_activation_bytes(MLA_MOE, layout("mla_up_proj"))
+    with_core = layer_activation_bytes(MLA_MOE, layout("core_attn+mla_up_proj"))
+    assert float(alone["attention"]) > float(with_core["attention"])
+
+
+@pytest.mark.parametrize("text, field", [
+    ("recompute=full,recompute_modules=moe_act", "recompute_modules"),
+    ("recompute=selective,recompute_modules=moe", "recompute_modules"),
+    ("recompute=selective,recompute_modules=core_attn+attn", "recompute_modules"),
+])
+def test_a_bad_recompute_module_list_names_the_field_and_the_fix(text, field):
+    with pytest.raises(InputError, match=f"'{field}'.*; "):
+        parse_layout(text)
+
+
+def test_recompute_modules_round_trip_in_one_spelling():
+    lay = parse_layout("recompute=selective,recompute_modules=moe_act+layernorm", devices=1)
+    assert lay.recompute_modules == "layernorm+moe_act" and "rc=selective[layernorm+moe_act]" in lay.label()
+    assert parse_layout(lay.to_string(), devices=1) == lay
+    assert LayoutBatch.stack([lay]).row(0) == lay
+
+
+def test_torchtitan_op_policy_saves_every_other_matmul_and_the_attention_core():
+    """recompute_modules=op (torchtitan's selective_ac_option "op"): per transformer block the
+    outputs of aten.mm (all but every second one), flash SDPA and max are saved; torchao float8
+    linears call aten._scaled_mm, which is not saved, so under fp8 every projection is recomputed."""
+    from perfmodel.memory import layer_activation_bytes
+    from perfmodel.operators import activation_bytes, shapes
+
+    gqa = dataclasses.replace(DENSE, n_heads=8, n_kv_heads=2, gated_ffn=True)
+    mla = dataclasses.replace(MLA_MOE, n_experts=0, top_k=0, n_shared_experts=0, d_expert=0, n_dense_layers=0)
+    cluster = load_cluster("h100")
+    for precision in ("bf16", "fp8"):
+        lay = parse_layout(f"mbs=1,gbs=8,recompute=selective,recompute_modules=op,precision={precision}", devices=8)
+        sh, b = shapes(gqa, lay), activation_bytes(lay)
+        T, h, h_q, h_kv = (float(sh[k]) for k in ("T", "h", "h_q", "h_kv"))
+        stored = layer_activation_bytes(gqa, lay)
+        # wq, wv (mm 1, 3) saved, wk, wo (2, 4) recomputed; w1 (5) saved, w3 (6) recomputed, w2 (7) saved
+        mm_out = (h_q + h_kv) if precision == "bf16" else 0.0
+        core = b * T * h_q + 4.0 * T * gqa.n_heads
+        assert float(stored["attention"]) == pytest.approx(b * T * h + b * T * mm_out + core, rel=1e-12)
+        ffn_out = (gqa.d_ff_dense + h) if precision == "bf16" else 0.0
+        assert float(stored["dense_ffn"]) == pytest.approx(b * T * ffn_out, rel=1e-12)
+        times = {rc: evaluate(gqa, parse_layout(f"mbs=1,gbs=8,precision={precision},{rc}", devices=8),
+                              cluster).breakdown["recompute"][0]
+                 for rc in ("recompute=selective", "recompute=selective,recompute_modules=op", "recompute=full")}
+        assert times["recompute=selective"] < times["recompute=selective,recompute_modules=op"] < times["recompute=full"]
+    # MLA with a q down projection makes 5 attention matmuls: the FFN's w1 is the 6th (recomputed),
+    # w3 the 7th (saved), w2 the 8th (recomputed)
+    lay = parse_layout("mbs=1,gbs=8,recompute=selective,recompute_modules=op", devices=8)
+    sh, b = shapes(mla, lay), activation_bytes(lay)
+    assert float(layer_activation_bytes(mla, lay)["dense_ffn"]) == pytest.approx(
+        b * float(sh["T"]) * mla.d_ff_dense, rel=1e-12)
+
+
+def test_grouped_block_tables_price_the_op_policy_of_every_row():
+    """Block tables are shared by rows equal in their table fields (recompute is not one), so a
+    batch mixing torchtitan's op policy with Megatron's modules prices each row as alone."""
+    gqa = dataclasses.replace(DENSE, n_heads=8, n_kv_heads=2, gated_ffn=True)
+    cluster = load_cluster("h100")
+    texts = ["mbs=1,gbs=8,recompute=selective,recompute_modules=op", "mbs=1,gbs=8,recompute=selective"]
+    layouts = [parse_layout(texts[i % 2], devices=8) for i in range(300)]  # >= 256 rows: grouped tables
+    batch = evaluate(ArchBatch.stack([gqa] * 300), LayoutBatch.stack(layouts), cluster)
+    for i in (0, 1):
+        alone = evaluate(gqa, layouts[i], cluster)
+        assert batch.step_time_s[i] == pytest.approx(alone.step_time_s[0], rel=1e-12)
+        assert batch.breakdown["recompute"][i] == pytest.approx(alone.breakdown["recompute"][0], rel=1e-12)
+    assert batch.breakdown["recompute"][0] > batch.breakdown["recompute"][1]

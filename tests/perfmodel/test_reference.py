@@ -83,6 +83,7 @@ def valid_configs(draw):
         gated_ffn=draw(st.booleans()), tie_embeddings=draw(st.booleans()), n_mtp_layers=n_mtp, **mla,
     )
     mbs = draw(st.sampled_from([1, 2, 4]))
+    recompute = draw(st.sampled_from(["none", "selective", "full"]))
     capacity = draw(st.sampled_from([None, None, 1.0, 1.5])) if moe else None
     routing = {"dispatcher": dispatcher, "capacity_factor": capacity,
                "pad_to_capacity": capacity is not None and dispatcher != "deepep" and draw(st.booleans())}
@@ -90,9 +91,12 @@ def valid_configs(draw):
         tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp,
         dp_flavor=draw(st.sampled_from(["ddp", "zero1", "fsdp"])), mbs=mbs,
         gbs=mbs * dp * draw(st.sampled_from([1, 2, 8])),
-        recompute=draw(st.sampled_from(["none", "selective", "full"])),
+        recompute=recompute,
         sequence_parallel=draw(st.booleans()) and tp > 1,
         precision=draw(st.sampled_from(["bf16", "bf16", "fp8", "fp32", "mxfp8"])), **split, **routing,
+        recompute_modules=draw(st.sampled_from([None, "layernorm+moe_act", "mla_up_proj", "core_attn+mlp",
+                                                "core_attn+mla_up_proj+layernorm+moe_act+mlp", "op"]))
+        if recompute == "selective" else None,
     )
     return arch, layout
 

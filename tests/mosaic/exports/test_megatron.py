@@ -240,8 +240,10 @@ def test_mindspeed_overlaps_tp_by_coc_and_ep_by_its_alltoall_overlap():
 @pytest.mark.parametrize("layout, render_to, key", [
     ({"tp_comm_overlap": True, "sequence_parallel": False}, "megatron", "layout.tp_comm_overlap"),
     ({"overlap_param_gather": True, "overlap_grad_reduce": False}, "mindspeed", "layout.overlap_param_gather"),
+    ({"recompute": "selective", "recompute_modules": "op"}, "megatron", "layout.recompute_modules"),
 ])
 def test_an_overlap_the_framework_cannot_run_is_refused_by_name(layout, render_to, key):
+    """(and a recompute module list it has no form for)"""
     plan = plan_from_dict(variant(layout=layout), "plan.yaml")
     with pytest.raises(InputError, match=key.replace(".", r"\.")) as refused:
         render(plan, render_to, gpus_per_node=8)
@@ -273,7 +275,8 @@ def test_megatron_carries_frontier_plans(tmp_path, fake_bin, name):
         assert "--multi-latent-attention" in values and as_int(values, "--kv-lora-rank") == m.kv_lora_rank
         assert as_int(values, "--qk-head-dim") + as_int(values, "--qk-pos-emb-head-dim") == m.head_dim
         assert as_int(values, "--v-head-dim") == m.v_head_dim and as_int(values, "--q-lora-rank") == m.q_lora_rank
-        assert values["--recompute-modules"] == ["core_attn", "mla_up_proj"]
+    if lay.recompute == "selective":
+        assert values["--recompute-modules"] == (lay.recompute_modules or "core_attn").split("+")
     if lay.dispatcher == "hybridep":
         assert values["--moe-token-dispatcher-type"] == ["flex"]
         assert values["--moe-flex-dispatcher-backend"] == ["hybridep"]

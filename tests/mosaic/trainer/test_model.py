@@ -222,9 +222,11 @@ def test_latent_attention_equals_plain_reference(tiny_arch, q_lora_rank):
     tokens = torch.randint(0, arch.vocab_size, (2, arch.seq_len))
 
     reference = _grads(model, tokens)
-    apply_ac(model, "selective")
-    for a, b in zip(reference, _grads(model, tokens)):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for modules in (None, "core_attn+mla_up_proj"):  # the core alone, and with the up projections
+        apply_ac(model, "selective", modules)
+        assert all(b.attn.checkpoint_up == (modules is not None) for b in model.layers.values())
+        for a, b in zip(reference, _grads(model, tokens)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     expected = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.attn."))
     from perfmodel.specs.architecture import attention_params_per_layer
     assert expected == int(attention_params_per_layer(arch))  # the perf model counts the module's parameters
