@@ -135,9 +135,9 @@ class AsyncHost:
     @staticmethod
     def host_syncs(stage: StageBlocks) -> Values:
         """Host synchronisations of one micro-batch on a stage: MOE_HOST_SYNCS_PER_LAYER per routed
-        MoE layer forward, again for its recomputed forward under full recompute."""
+        MoE layer forward, again for its recomputed forward (`StageBlocks.reruns_layers`)."""
         moe = stage.counts["moe"] * np.where(np.asarray(stage.arch.n_experts, dtype=float) > 0, 1.0, 0.0)
-        return MOE_HOST_SYNCS_PER_LAYER * moe * np.where(stage.full, 2.0, 1.0)
+        return MOE_HOST_SYNCS_PER_LAYER * moe * np.where(stage.reruns_layers, 2.0, 1.0)
 
     def step_kernels(self, stage: StageBlocks) -> Values:
         return OPTIMIZER_KERNELS_PER_LAYER * np.maximum(stage.counts["attention"], 1.0)
@@ -173,13 +173,13 @@ class EagerHost:
         """The trainer's eager ops per block (`eager.eager_block_ops`), expert-parallel dispatch
         ops per MoE layer under ep > 1, collective launches; full recompute repeats the layers'
         forward ops plus checkpoint hooks, selective the attention core's."""
-        total, counts, full, selective = stage.total, stage.counts, stage.full, stage.selective
+        total, counts, selective = stage.total, stage.counts, stage.selective
         ops = eager_block_ops(stage.arch)
         ep_moe = np.where(np.asarray(stage.lay.ep, dtype=float) > 1, counts["moe"], 0.0)  # expert-parallel dispatch
         fwd = total("fwd_comm_kernels") + sum(counts[b] * ops[b][0] for b in ops) + ep_moe * EAGER_EP_OPS[0]
         layer_fwd_ops = sum(counts[b] * ops[b][0] for b in LAYER_BLOCKS) + ep_moe * EAGER_EP_OPS[0]
         bwd = (total("bwd_comm_kernels") + sum(counts[b] * ops[b][1] for b in ops) + ep_moe * EAGER_EP_OPS[1]
-               + np.where(full, layer_fwd_ops + EAGER_FULL_RECOMPUTE_OPS * counts["attention"],
+               + np.where(stage.reruns_layers, layer_fwd_ops + EAGER_FULL_RECOMPUTE_OPS * counts["attention"],
                           np.where(selective, EAGER_SELECTIVE_RECOMPUTE_OPS * counts["attention"], 0.0)))
         return fwd, bwd
 
@@ -212,7 +212,7 @@ class EagerHost:
         layers = counts["attention"]
         full_s = layers * region_s + per_saved_s * sum(counts[b] * saved[b] for b in LAYER_BLOCKS)
         selective_s = layers * (region_s + per_saved_s * EAGER_SAVED_CORE)
-        return np.where(stage.full, full_s, np.where(stage.selective, selective_s, 0.0)) / share
+        return np.where(stage.reruns_layers, full_s, np.where(stage.selective, selective_s, 0.0)) / share
 
     @staticmethod
     def _dtensor_mb_ops(stage: StageBlocks) -> Values:
@@ -221,7 +221,7 @@ class EagerHost:
         ops = eager_dtensor_block_ops(stage.arch)
         per_mb = sum(counts[b] * (ops[b][0] + ops[b][1]) for b in ops)
         layer_fwd = sum(counts[b] * ops[b][0] for b in LAYER_BLOCKS)
-        per_mb = per_mb + np.where(stage.full, EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR * layer_fwd, 0.0)
+        per_mb = per_mb + np.where(stage.reruns_layers, EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR * layer_fwd, 0.0)
         return np.where(np.asarray(stage.lay.tp, dtype=float) > 1, per_mb, 0.0)
 
     @staticmethod

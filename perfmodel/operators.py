@@ -219,7 +219,8 @@ def op_sac(arch: ArchLike, lay: LayoutLike, block: str, start: Values = 0.0) -> 
     outputs of aten.mm, flash SDPA, reduce-scatter and max are saved except every second aten.mm
     (a counter per block); every other op is recomputed in the backward pass. Per op of `block`,
     the share of its forward recomputed (memory-bound ops and grouped expert GEMMs, which call
-    aten._grouped_mm: 1; the attention core: 0; a matmul: its calls' FLOP shares at even counts),
+    aten._grouped_mm: 1; the attention core and OP_SAC_TRAILING: 0; a matmul: its calls' FLOP
+    shares at even counts),
     the elements of the saved matmul outputs, and the counter after the block (`start`: before)."""
     count = np.asarray(start, dtype=float)
     recomputed: dict[str, Values] = {}
@@ -234,7 +235,15 @@ def op_sac(arch: ArchLike, lay: LayoutLike, block: str, start: Values = 0.0) -> 
         present_any[name] = present_any.get(name, False) | here
         saved_elems = saved_elems + np.where(keep, elems, 0.0)
     # an op none of whose calls is made (no shared experts) recomputes its (zero) work as any other op
-    return {n: np.where(present_any[n], v, 1.0) for n, v in recomputed.items()}, saved_elems, count
+    shares = {n: np.where(present_any[n], v, 1.0) for n, v in recomputed.items()}
+    shares.update({n: 0.0 for n in OP_SAC_TRAILING})
+    return shares, saved_elems, count
+
+
+OP_SAC_TRAILING = ("ffn_down", "shared_down", "ffn_residual", "moe_residual")
+"""Ops torch.utils.checkpoint does not run again (early stop, its default): recomputation ends
+once every tensor the backward needs is rebuilt, and the block's last down projection and its
+residual add feed only additions (the trainer's op count checks it)."""
 
 
 def op_sac_share(op: Op, recomputed: dict[str, Values]) -> Values:

@@ -495,6 +495,11 @@ class _StageView:
     recomputed: Callable[[str], float]
     """Sum over the checkpointed modules of an entry (fwd, fwd_overlap, kernels) of their ops."""
 
+    @property
+    def reruns(self) -> bool:
+        """The host runs each layer's forward again: full recompute or torchtitan's op policy."""
+        return self.full or "op" in _recomputed_modules(self.lay)
+
 
 class _AsyncHost:
     """An accelerator host enqueues ahead of the device: only launch time beyond device time
@@ -520,7 +525,7 @@ class _AsyncHost:
     def dispatch_s(self, st: _StageView, fwd_kernels: float, bwd_kernels: float, fwd_device_s: float,
                    bwd_device_s: float, dev: _Device) -> float:
         lat = dev.launch_latency_s
-        syncs = (st.c["moe"] if st.arch.n_experts > 0 and self.sync_s is not None else 0.0) * (2.0 if st.full else 1.0)
+        syncs = (st.c["moe"] if st.arch.n_experts > 0 and self.sync_s is not None else 0.0) * (2.0 if st.reruns else 1.0)
         return (max(fwd_kernels * lat - fwd_device_s, 0.0) + max(bwd_kernels * lat - bwd_device_s, 0.0)
                 + syncs * ((self.sync_s or 0.0) + lat))
 
@@ -574,7 +579,7 @@ class _EagerHost:
         ep_fwd, ep_bwd = eager.EAGER_EP_OPS if st.lay.ep > 1 else (0.0, 0.0)
         fwd = st.tot("fwd_comm_kernels") + sum(c[blk] * ops[blk][0] for blk in ops) + ep_fwd * c["moe"]
         bwd = st.tot("bwd_comm_kernels") + sum(c[blk] * ops[blk][1] for blk in ops) + ep_bwd * c["moe"]
-        if st.full:
+        if st.reruns:
             bwd += (sum(c[blk] * ops[blk][0] for blk in LAYER_BLOCKS) + ep_fwd * c["moe"]
                     + eager.EAGER_FULL_RECOMPUTE_OPS * c["attention"])
         elif st.selective:
@@ -589,10 +594,10 @@ class _EagerHost:
         if st.lay.tp > 1:                       # the trainer's tensor-parallel modules are DTensors
             dt = _dtensor_ops(arch)
             dt_mb = sum(c[blk] * (dt[blk][0] + dt[blk][1]) for blk in dt)
-            if st.full:
+            if st.reruns:
                 dt_mb += eager.EAGER_DTENSOR_FULL_RECOMPUTE_FACTOR * sum(c[blk] * dt[blk][0] for blk in LAYER_BLOCKS)
             dispatch_s += dt_mb * (self.dtensor_s / dev.share)
-        if st.full:
+        if st.reruns:
             ffn_saved = (15.0 if arch.gated_ffn else 11.0) * c["dense_ffn"] + (
                 30.0 + (9.0 if arch.n_shared_experts > 0 else 0.0)
                 - (9.0 if arch.n_shared_experts > 0 and not arch.gated_ffn else 0.0)) * c["moe"]
@@ -703,6 +708,8 @@ def _op_sac(arch: MoEArchitecture, lay: ParallelLayout, z: _Sizes, block: str, c
         keep = mm and count % 2 == 1
         shares[name] = shares.get(name, 0.0) + (0.0 if keep else share)
         saved += elems if keep else 0.0
+    # checkpoint's early stop: the last down projection and the residual add are not run again
+    shares.update({name: 0.0 for name in ("ffn_down", "shared_down", "ffn_residual", "moe_residual")})
     return shares, saved, count
 
 

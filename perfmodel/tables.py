@@ -318,6 +318,10 @@ class StageBlocks:
         self.selective = code == SELECTIVE
         self.modules = {m: np.asarray(recomputes(lay, m)) for m in RECOMPUTE_MODULE_OPS}
         """Per selective recompute module, the rows that checkpoint it."""
+        self.reruns_layers = self.full | self.modules["op"]
+        """Rows whose host runs each layer's forward again in the backward pass: full recompute,
+        and torchtitan's per-op policy (its saved ops are still dispatched, served from the cache;
+        the MoE dispatcher's host synchronisation repeats)."""
         self._memo: dict[tuple[str, tuple[str, ...]], Values] = {}
 
     def recomputed(self, entry: str) -> Values:

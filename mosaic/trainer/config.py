@@ -147,7 +147,7 @@ def trainer_precision(layout: ParallelLayout, device: str) -> str:
     return "fp32" if layout.precision == "fp32" else "bf16"
 
 
-TRAINER_RECOMPUTE_MODULES = {False: ("core_attn",), True: ("core_attn", "core_attn+mla_up_proj")}
+TRAINER_RECOMPUTE_MODULES = {False: ("core_attn", "op"), True: ("core_attn", "core_attn+mla_up_proj", "op")}
 """The selective recompute module sets the bundled trainer implements, without / with MLA."""
 
 

@@ -337,6 +337,37 @@ class Block(nn.Module):
         return x + y, aux
 
 
+def _op_sac_saved() -> frozenset:
+    """The ops whose outputs the per-op policy saves (besides every other aten.mm: `op_sac_context`)."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "max")
+    saved = {getattr(aten, n).default for n in names if hasattr(aten, n)} | {aten.mm.default}
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    if functional is not None and hasattr(functional, "reduce_scatter_tensor"):
+        saved.add(functional.reduce_scatter_tensor.default)
+    return frozenset(saved)
+
+
+def op_sac_context():
+    """Selective activation checkpointing by op (torchtitan's `selective_ac_option = "op"` policy,
+    as `perfmodel.operators.op_sac` prices it): within one block, save the outputs of aten.mm
+    except every second one (a count per block and per pass), of SDPA, max and reduce-scatter;
+    recompute everything else. A fresh count for each block's forward and its recompute."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved, mm = _op_sac_saved(), torch.ops.aten.mm.default
+    counts = {True: 0, False: 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func == mm:
+            counts[ctx.is_recompute] += 1
+        keep = func in saved and not (func == mm and counts[ctx.is_recompute] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 class Transformer(nn.Module):
     """Decoder-only LM; `forward(tokens, positions, doc_ids) -> (logits, aux_loss summed over MoE layers)`."""
 
@@ -352,6 +383,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.checkpoint_blocks = False
         """Full recompute: each block's activations are recomputed in backward."""
+        self.op_sac = False
+        """torchtitan's per-op policy (`op_sac_context`) on each block."""
         self.init_weights()
 
     @torch.no_grad()
@@ -386,7 +419,10 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
         aux_total = aux_in if aux_in is not None else torch.zeros((), dtype=torch.float32, device=x.device)
         for block in self.layers.values():
-            if self.checkpoint_blocks and torch.is_grad_enabled():
+            if self.op_sac and torch.is_grad_enabled():
+                x, aux = torch.utils.checkpoint.checkpoint(block, x, positions_BT, mask, use_reentrant=False,
+                                                           context_fn=op_sac_context)
+            elif self.checkpoint_blocks and torch.is_grad_enabled():
                 x, aux = torch.utils.checkpoint.checkpoint(block, x, positions_BT, mask, use_reentrant=False)
             else:
                 x, aux = block(x, positions_BT, mask)

@@ -260,12 +260,14 @@ def apply_ep(model: Transformer, meshes: Meshes) -> None:
 
 def apply_ac(model: Transformer, mode: str, modules: Optional[str] = None) -> None:
     """none; selective: recompute the attention core (SDPA; `modules` core_attn, the default) and
-    with MLA also its up projections (core_attn+mla_up_proj); full: recompute every block.
+    with MLA also its up projections (core_attn+mla_up_proj), or each block by torchtitan's per-op
+    policy (op, `model.op_sac_context`); full: recompute every block.
     Other module sets are refused by `config.trainer_limits` (TRAINER_RECOMPUTE_MODULES)."""
     up = mode == "selective" and "mla_up_proj" in (modules or "").split("+")
     model.checkpoint_blocks = mode == "full"
+    model.op_sac = mode == "selective" and modules == "op"
     for block in model.layers.values():
-        block.attn.checkpoint_core = mode == "selective"
+        block.attn.checkpoint_core = mode == "selective" and not model.op_sac
         if hasattr(block.attn, "checkpoint_up"):
             block.attn.checkpoint_up = up
 

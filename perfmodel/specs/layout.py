@@ -52,6 +52,8 @@ prices (`perfmodel.operators.RECOMPUTE_MODULE_OPS`, `perfmodel.memory`; its `moe
 `shared_experts` modules are not priced: refused by name), and `op`, torchtitan's per-op policy
 (`selective_ac_option = "op"`, `perfmodel.operators.op_sac`), which stands alone."""
 UNPRICED_RECOMPUTE_MODULES = ("moe", "shared_experts")
+_MODULE_CHOICES = (f"Megatron's modules ({', '.join(m for m in RECOMPUTE_MODULES if m != 'op')}), '+'-joined, "
+                   "or op (torchtitan's per-op policy) alone")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 """Megatron-Core's default `--recompute-modules`."""
 """Fields with a default that a runs CSV, a layout string or a plan may leave out."""
@@ -307,9 +309,8 @@ def recompute_module_mask(modules: Optional[str]) -> int:
     mask = 0
     for name in names:
         check(name not in UNPRICED_RECOMPUTE_MODULES, "recompute_modules", f"module {name!r} is not priced",
-              f"use full recompute, or modules of {'+'.join(RECOMPUTE_MODULES)}")
-        check(name in RECOMPUTE_MODULES, "recompute_modules", f"module {name!r} is unknown",
-              f"use modules of {'+'.join(RECOMPUTE_MODULES)}, '+'-joined")
+              f"use full recompute, or {_MODULE_CHOICES}")
+        check(name in RECOMPUTE_MODULES, "recompute_modules", f"module {name!r} is unknown", f"use {_MODULE_CHOICES}")
         mask |= 1 << RECOMPUTE_MODULES.index(name)
     check("op" not in names or len(set(names)) == 1, "recompute_modules",
           "'op' (torchtitan's per-op policy) excludes Megatron's modules", "give op alone, or Megatron modules")

@@ -48,7 +48,7 @@ TINY_MODEL = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, v
     ({"pp": 2, "dp": 1, "mbs": 1, "gbs": 1}, None, "at least pp micro-batches"),
     ({"tp": 2, "dp": 1, "mbs": 1, "gbs": 1, "precision": "fp8"}, None, "fp8"),
     ({"dp": 1, "mbs": 1, "gbs": 1, "recompute": "selective", "recompute_modules": "layernorm+moe_act"}, None,
-     "recompute_modules=layernorm+moe_act: the bundled trainer's selective recompute checkpoints core_attn"),
+     "recompute_modules=layernorm+moe_act: the bundled trainer's selective recompute checkpoints core_attn or op"),
 ])
 def test_bad_plans_are_refused_before_any_process_starts(tmp_path, no_launch, layout, nproc, message):
     out = tmp_path / "run"

@@ -126,8 +126,8 @@ def _grads(model, tokens):
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_gives_the_same_gradients(tiny_arch, mode):
+@pytest.mark.parametrize("mode, modules", [("selective", None), ("selective", "op"), ("full", None)])
+def test_recompute_gives_the_same_gradients(tiny_arch, mode, modules):
     torch.manual_seed(3)
     model = Transformer(tiny_arch)
     tokens = torch.randint(0, tiny_arch.vocab_size, (2, tiny_arch.seq_len))
@@ -135,7 +135,7 @@ def test_recompute_gives_the_same_gradients(tiny_arch, mode):
     reference = _grads(model, tokens)
     for moe in model.moe_layers():
         moe.reset_load()
-    apply_ac(model, mode)
+    apply_ac(model, mode, modules)
     recomputed = _grads(model, tokens)
     for a, b in zip(reference, recomputed):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -230,3 +230,46 @@ def test_latent_attention_equals_plain_reference(tiny_arch, q_lora_rank):
     expected = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.attn."))
     from perfmodel.specs.architecture import attention_params_per_layer
     assert expected == int(attention_params_per_layer(arch))  # the perf model counts the module's parameters
+
+
+def test_the_op_policy_recomputes_every_other_block_matmul(tiny_arch):
+    """aten.mm calls over a forward and backward pass: the op policy repeats the even-numbered
+    matmuls of each block, full recompute all of them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMM(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mm = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.mm += func == torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(3)
+    model = Transformer(tiny_arch)
+    tokens = torch.randint(0, tiny_arch.vocab_size, (2, tiny_arch.seq_len))
+
+    def mm_calls(mode, modules=None, blocks_only=False):
+        apply_ac(model, mode, modules)
+        counter = CountMM()
+        with counter:
+            if blocks_only:  # the forward matmuls of each block alone
+                x = model.tok_embeddings(tokens)
+                positions = torch.arange(tiny_arch.seq_len)[None].expand(2, -1)
+                per_block = []
+                for block in model.layers.values():
+                    before = counter.mm
+                    x, _ = block(x, positions, None)
+                    per_block.append(counter.mm - before)
+                return per_block
+            logits, aux = model(tokens)
+            (logits.square().mean() + aux).backward()
+        return counter.mm
+
+    per_block = mm_calls("none", blocks_only=True)
+    none, op, full = mm_calls("none"), mm_calls("selective", "op"), mm_calls("full")
+    # even-numbered matmuls again, but not a block's last (its output feeds only additions: the
+    # checkpoint's early stop; perfmodel.operators.OP_SAC_TRAILING)
+    assert op - none == sum(n // 2 - (n % 2 == 0) for n in per_block), (per_block, none, op)
+    assert op - none < full - none <= sum(per_block)  # full: every matmul but those the early stop skips
