@@ -33,7 +33,16 @@ from perfmodel import validity as perfmodel_validity
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import CORE_ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
 from perfmodel.specs.cluster import ClusterSpec
-from perfmodel.specs.layout import DISPATCHERS, DP_FLAVORS, OVERLAP_FIELDS, PRECISIONS, RECOMPUTE_MODES, LayoutBatch
+from perfmodel.specs.layout import (
+    DEFAULT_RECOMPUTE_MASK,
+    DISPATCHERS,
+    DP_FLAVORS,
+    OVERLAP_FIELDS,
+    PRECISIONS,
+    RECOMPUTE_MODES,
+    LayoutBatch,
+    recompute_module_mask,
+)
 from perfmodel.specs.strict import check, load_spec, spec_from_dict
 
 PIPELINE_SPLITS = ("default", "balanced")
@@ -132,6 +141,9 @@ class LayoutSpace:
     dispatcher: tuple[str, ...] = ("alltoall",)
     """MoE token dispatchers to try with ep > 1 (alltoall, allgather, deepep, hybridep; the fused
     ones only where the cluster has measured figures)."""
+    recompute_modules: tuple[Optional[str], ...] = (None,)
+    """Module lists to try with recompute=selective (`ParallelLayout.recompute_modules`, e.g.
+    [null, layernorm+moe_act]; null = Megatron's default, core_attn)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tp, str):
@@ -158,6 +170,9 @@ class LayoutSpace:
             check(len(values) > 0, key, "is empty", f"use some of {', '.join(allowed)}")
             bad = [v for v in values if v not in allowed]
             check(not bad, key, f"unknown value(s) {bad}", f"use some of {', '.join(allowed)}")
+        check(len(self.recompute_modules) > 0, "recompute_modules", "is empty", "write [null] for the default")
+        for modules in self.recompute_modules:
+            recompute_module_mask(modules)  # names an unknown module
 
 
 @dataclass(frozen=True)
@@ -350,7 +365,35 @@ def layout_grid(resolved: ResolvedSpace, devices: int) -> LayoutBatch:
     if len(grid) == 0:
         raise InputError(f"search space: no layout of tp/cp/pp divides devices={devices}; "
                          "add 1 to layout.tp, layout.pp and layout.cp")
-    return split_and_dispatch_variants(grid, lay.pipeline_split, lay.dispatcher)
+    grid = split_and_dispatch_variants(grid, lay.pipeline_split, lay.dispatcher)
+    return recompute_module_variants(grid, lay.recompute_modules)
+
+
+def recompute_module_variants(grid: LayoutBatch, module_lists: tuple[Optional[str], ...]) -> LayoutBatch:
+    """The selective-recompute rows once per module list (the other rows once, with the default);
+    the search keeps each geometry's fastest that fits."""
+    masks = list(dict.fromkeys(recompute_module_mask(m) for m in module_lists))
+    if masks == [DEFAULT_RECOMPUTE_MASK]:
+        return grid
+    selective = np.asarray(grid.recompute) == RECOMPUTE_MODES.index("selective")
+    parts = [grid.take(np.flatnonzero(~selective))]
+    chosen = grid.take(np.flatnonzero(selective))
+    parts += [dataclasses.replace(chosen, recompute_modules=np.full(len(chosen), mask, dtype=np.int64)) for mask in masks]
+    return _concat(parts)
+
+
+def _concat(parts: list[LayoutBatch]) -> LayoutBatch:
+    """Rows of several layout batches, in order (layout-string stage columns padded to one width)."""
+    if len(parts) == 1:
+        return parts[0]
+    merged = {}
+    for name in [f.name for f in dataclasses.fields(LayoutBatch)]:
+        values = [np.asarray(getattr(p, name)) for p in parts]
+        if name == "stage_layers":
+            width = max(v.shape[1] for v in values)
+            values = [np.pad(v, ((0, 0), (0, width - v.shape[1])), constant_values=-1) for v in values]
+        merged[name] = np.concatenate(values)
+    return LayoutBatch(**merged)
 
 
 def split_and_dispatch_variants(grid: LayoutBatch, splits: tuple[str, ...], dispatchers: tuple[str, ...]) -> LayoutBatch:
@@ -378,17 +421,7 @@ def split_and_dispatch_variants(grid: LayoutBatch, splits: tuple[str, ...], disp
         for part in parts:
             single = part.take(np.flatnonzero(np.asarray(part.ep) == 1))
             out.append(dataclasses.replace(single, dispatcher=np.full(len(single), DISPATCHERS.index("alltoall"))))
-    if len(out) == 1:
-        return out[0]
-    fields = [f.name for f in dataclasses.fields(LayoutBatch)]
-    merged = {}
-    for name in fields:
-        values = [np.asarray(getattr(p, name)) for p in out]
-        if name == "stage_layers":
-            width = max(v.shape[1] for v in values)
-            values = [np.pad(v, ((0, 0), (0, width - v.shape[1])), constant_values=-1) for v in values]
-        merged[name] = np.concatenate(values)
-    return LayoutBatch(**merged)
+    return _concat(out)
 
 
 __all__ = [

@@ -227,3 +227,24 @@ def test_the_search_picks_the_split_and_dispatcher_that_run_fastest(law, make_sp
         other = dataclasses.replace(chosen.layout, **changes)
         result = perfmodel.evaluate(chosen.arch, other, problem.cluster, 64)
         assert result.tokens_per_s[0] <= rate * (1 + 1e-12)
+
+
+def test_the_search_tries_each_recompute_module_list_on_the_selective_rows(law, make_space):
+    """recompute_modules in the space copies the selective rows once per list (none and full
+    once): the choice is no slower than the same layout with any other list that fits."""
+    import perfmodel
+
+    space = make_space(n_layers=(24,), n_experts=(16,), top_k=(2,), granularity=(1.0,), d_model=(2048,))
+    lists = (None, "layernorm+moe_act", "core_attn+layernorm+moe_act")
+    space = space.replace_layout(tp=(1,), pp=(1,), ep=(8,), recompute=("none", "selective", "full"),
+                                 dp_flavor=("zero1",), recompute_modules=lists)
+    problem = build_problem("h100", devices=64, days=5, fit=law, space=space)
+    base = build_problem("h100", devices=64, days=5, fit=law, space=space.replace_layout(recompute_modules=(None,)))
+    per_mode = len(base.evaluator.rep_grid) // 3
+    assert len(problem.evaluator.rep_grid) == per_mode * (2 + len(lists))  # none, full, and selective per list
+    chosen = solve(problem, top=1).cluster_optimal
+    rate = chosen.predicted["tokens_per_s"]
+    for modules in lists:
+        other = dataclasses.replace(chosen.layout, recompute="selective", recompute_modules=modules)
+        result = perfmodel.evaluate(chosen.arch, other, problem.cluster, 64)
+        assert not result.feasible[0] or result.tokens_per_s[0] <= rate * (1 + 1e-12), modules
