@@ -25,9 +25,9 @@ def test_dtensor_op_cost_is_positive_and_above_a_plain_ops() -> None:
 
 
 def test_checkpoint_costs_are_positive_host_times() -> None:
-    regions, per_saved, details = checkpoint_costs(samples=5)
+    regions, per_saved, details = checkpoint_costs(samples=9)  # its default: up to 4 disturbed pairs leave the median
     assert details["saved"]["block"] > details["saved"]["core"] > 0
-    assert len(regions) == len(per_saved) == 5
-    region, saved = sorted(regions)[2], sorted(per_saved)[2]  # the medians (a loaded host skews single samples)
+    assert len(regions) == len(per_saved) == 9
+    region, saved = sorted(regions)[4], sorted(per_saved)[4]  # the medians (a loaded host skews single samples)
     # hooks, RNG state and recompute set-up cost host time; a region costs more than one of its tensors
     assert 0 < region < 5e-3 and 0 <= saved < 1e-3 and region > saved
