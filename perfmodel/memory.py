@@ -85,6 +85,7 @@ from perfmodel.operators import (
     activation_bytes,
     dp_flavor_code,
     gemm_operand_bytes,
+    mla_widths,
     op_sac,
     precision_code,
     recompute_code,
@@ -198,8 +199,6 @@ def layer_activation_bytes(arch: ArchLike, lay: LayoutLike) -> dict[str, Values]
            + np.where(shared > 0, np.where(fp8, g * T_sp * h, 0.0) + (b * up + g) * T * shared / tp, 0.0))
     op = recomputes(lay, "op")
     if np.any(op):  # torchtitan's per-op policy: the block input and the saved outputs only
-        from perfmodel.operators import mla_widths
-
         _, att_elems, count = op_sac(arch, lay, "attention")
         wm = mla_widths(arch, lay)
         core_out = np.where(mla, T * wm["H"] * wm["d_v"] / tp, T * h_q / tp)
@@ -217,8 +216,6 @@ def mla_activation_bytes(arch: ArchLike, lay: LayoutLike) -> Values:
     without recompute Q, K, V (b T H (2 d_q + d_v) / tp), the core output (b, + g under fp8) and
     its fp32 log-sum-exp; recomputing core_attn keeps only the output projection's input (g) of
     the core, mla_up_proj drops Q, K, V (rebuilt from the latents), layernorm the norm output."""
-    from perfmodel.operators import mla_widths
-
     sh = shapes(arch, lay)
     w = mla_widths(arch, lay)
     b, g = activation_bytes(lay), gemm_operand_bytes(lay)

@@ -183,17 +183,9 @@ def block_table(arch: ArchLike, lay: LayoutLike, builder: Callable[[ArchLike, La
             table["core_fwd"] = table["core_fwd"] + fwd_s  # a mixed MHA/MLA batch has both cores, each zero where unused
         m = module_of.get(op.name)
         if m is not None:
-            selective[f"selective_{m}_fwd"] = selective[f"selective_{m}_fwd"] + fwd_s
-            selective[f"selective_{m}_fwd_overlap"] = (selective[f"selective_{m}_fwd_overlap"]
-                                                       + (fwd_s if op.overlappable else 0.0))
-            selective[f"selective_{m}_kernels"] = selective[f"selective_{m}_kernels"] + op.kernels[0]
+            _add_recomputed(selective, m, op, fwd_s, 1.0)
         for parity, shares in op_shares.items():
-            share = op_sac_share(op, shares)
-            selective[f"selective_{parity}_fwd"] = selective[f"selective_{parity}_fwd"] + share * fwd_s
-            selective[f"selective_{parity}_fwd_overlap"] = (selective[f"selective_{parity}_fwd_overlap"]
-                                                           + (share * fwd_s if op.overlappable else 0.0))
-            selective[f"selective_{parity}_kernels"] = (selective[f"selective_{parity}_kernels"]
-                                                       + np.where(np.asarray(share) > 0, op.kernels[0], 0.0))
+            _add_recomputed(selective, parity, op, fwd_s, op_sac_share(op, shares))
     table.update(selective)
     for cls in ("tp", "cp", "ep"):
         table[f"fwd_{cls}"] = 0.0
@@ -235,6 +227,16 @@ def _fused_times(arch: ArchLike, lay: LayoutLike, pricer: CollectivePricer):  # 
                                 FUSED_NAMES, np.asarray(arch.n_experts, dtype=float),
                                 np.asarray(arch.top_k, dtype=float), sh["T_moe"], sh["h"], sh["rows"], b,
                                 dispatch_bytes, 1.0 / pricer.slowdown)
+
+
+def _add_recomputed(selective: dict[str, Values], key: str, op: Op, fwd_s: Values, share: Values) -> None:
+    """Add `share` of `op`'s forward to `selective_{key}_*`: its seconds, its overlappable seconds,
+    its kernels (all of them where any share is run again)."""
+    selective[f"selective_{key}_fwd"] = selective[f"selective_{key}_fwd"] + share * fwd_s
+    if op.overlappable:
+        selective[f"selective_{key}_fwd_overlap"] = selective[f"selective_{key}_fwd_overlap"] + share * fwd_s
+    selective[f"selective_{key}_kernels"] = (selective[f"selective_{key}_kernels"]
+                                             + np.where(np.asarray(share) > 0, op.kernels[0], 0.0))
 
 
 def _add_mtp_layer(arch: ArchLike, tables: Tables) -> None:
@@ -323,6 +325,14 @@ class StageBlocks:
         and torchtitan's per-op policy (its saved ops are still dispatched, served from the cache;
         the MoE dispatcher's host synchronisation repeats)."""
         self._memo: dict[tuple[str, tuple[str, ...]], Values] = {}
+        self._op_odd: Optional[np.ndarray] = None
+
+    def op_odd(self) -> np.ndarray:
+        """Rows whose attention block makes an odd number of aten.mm calls (`operators.op_sac`):
+        their FFN / MoE blocks continue the count at odd parity. Computed once per stage."""
+        if self._op_odd is None:
+            self._op_odd = np.mod(op_sac(self.arch, self.lay, "attention")[2], 2.0) == 1.0
+        return self._op_odd
 
     def recomputed(self, entry: str) -> Values:
         """Sum over the selective recompute modules each row checkpoints of the layer blocks'
@@ -332,10 +342,9 @@ class StageBlocks:
             if not on.any():
                 continue
             if m == "op":  # the FFN / MoE blocks continue the attention block's matmul count
-                odd = np.mod(op_sac(self.arch, self.lay, "attention")[2], 2.0) == 1.0
                 ffn = ("dense_ffn", "moe")
                 value = self.total(f"selective_op_{entry}", ("attention",)) + np.where(
-                    odd, self.total(f"selective_op_odd_{entry}", ffn), self.total(f"selective_op_{entry}", ffn))
+                    self.op_odd(), self.total(f"selective_op_odd_{entry}", ffn), self.total(f"selective_op_{entry}", ffn))
             else:
                 value = self.total(f"selective_{m}_{entry}", LAYER_BLOCKS)
             acc = acc + np.where(on, value, 0.0)

@@ -46,6 +46,7 @@ DISPATCH_FIELDS = ("dispatcher", "capacity_factor", "pad_to_capacity")
 RECOMPUTE_FIELDS = ("recompute_modules",)
 LAYOUT_FIELDS = CORE_LAYOUT_FIELDS + OVERLAP_FIELDS + SPLIT_FIELDS + DISPATCH_FIELDS + RECOMPUTE_FIELDS
 OPTIONAL_LAYOUT_FIELDS = OVERLAP_FIELDS + SPLIT_FIELDS + DISPATCH_FIELDS + RECOMPUTE_FIELDS
+"""Fields with a default that a runs CSV, a layout string or a plan may leave out."""
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "op")
 """Megatron-Core's `--recompute-modules` under `--recompute-granularity selective` that MOSAIC
 prices (`perfmodel.operators.RECOMPUTE_MODULE_OPS`, `perfmodel.memory`; its `moe` and
@@ -56,7 +57,6 @@ _MODULE_CHOICES = (f"Megatron's modules ({', '.join(m for m in RECOMPUTE_MODULES
                    "or op (torchtitan's per-op policy) alone")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 """Megatron-Core's default `--recompute-modules`."""
-"""Fields with a default that a runs CSV, a layout string or a plan may leave out."""
 BOOL_FIELDS = ("sequence_parallel",) + OVERLAP_FIELDS + ("account_embedding", "account_loss", "balanced_split",
                                                        "pad_to_capacity")
 """The true/false layout fields."""
@@ -322,7 +322,7 @@ def recompute_module_names(mask: int) -> str:
     return "+".join(m for i, m in enumerate(RECOMPUTE_MODULES) if int(mask) >> i & 1)
 
 
-DEFAULT_RECOMPUTE_MASK = sum(1 << RECOMPUTE_MODULES.index(m) for m in DEFAULT_RECOMPUTE_MODULES)
+DEFAULT_RECOMPUTE_MASK = recompute_module_mask(None)
 
 
 _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelLayout) if f.name in OPTIONAL_LAYOUT_FIELDS}
@@ -369,8 +369,8 @@ class LayoutBatch:
     """Column-wise numpy arrays of resolved layouts; categorical fields as codes.
 
     dp_flavor indexes DP_FLAVORS, recompute RECOMPUTE_MODES, precision PRECISIONS, dispatcher
-    DISPATCHERS; recompute_modules is a bit mask over RECOMPUTE_MODULES (default: core_attn). The optional fields (OPTIONAL_LAYOUT_FIELDS) may be left out (None: every row
-    at its default); None entries are -1 (first/last_stage_layers) or 0 (capacity_factor).
+    DISPATCHERS; recompute_modules is a bit mask over RECOMPUTE_MODULES (default: core_attn).
+    The optional fields (OPTIONAL_LAYOUT_FIELDS) may be left out (None: every row at its default); None entries are -1 (first/last_stage_layers) or 0 (capacity_factor).
     `pp_layout` keeps the strings (object array; None where not given), `stage_layers` their
     per-virtual-stage layer counts ((n, max stages), -1 padded) and `stage_mtp` their MTP
     count (-1 where no string) for the formulas (`perfmodel.specs.stages`).
