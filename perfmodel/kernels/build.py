@@ -52,6 +52,8 @@ GENERATED_HEADER = (
     "# built from inputs {inputs}; body {body}\n"
 )
 DIGEST_LINE = "# built from inputs "
+HEADER_LINES = GENERATED_HEADER.count("\n")
+"""The header's lines, the digest line last: the body is what follows."""
 BUILD_CODE = ("perfmodel/kernels/build.py", "perfmodel/kernels/fit.py", "perfmodel/kernels/forms.py",
               "perfmodel/kernels/derive.py", "perfmodel/kernels/tables.py", "perfmodel/comm.py",
               "perfmodel/dispatch.py")
@@ -918,14 +920,16 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
+_ROOT = Path(__file__).resolve().parents[2]
+
+
 def build_inputs() -> list[Path]:
     """Every file a bundled cluster file is built from: the datasheets, the measured tables and
     `BUILD_CODE`."""
     from perfmodel.kernels.tables import tables_dir
 
-    root = Path(__file__).resolve().parents[2]
     return (sorted(datasheets_dir().glob("*.yaml")) + sorted(tables_dir().glob("*.csv"))
-            + [root / code for code in BUILD_CODE])
+            + [_ROOT / code for code in BUILD_CODE])
 
 
 def _digest(parts: Sequence[tuple[str, bytes]]) -> str:
@@ -938,24 +942,25 @@ def _digest(parts: Sequence[tuple[str, bytes]]) -> str:
 def inputs_digest() -> str:
     """sha256 (16 hex digits) of the build's inputs, by name and bytes: a cluster file stating
     this digest was built from the inputs as they are now."""
-    root = Path(__file__).resolve().parents[2]
-    return _digest([(p.relative_to(root).as_posix(), p.read_bytes()) for p in build_inputs()])
+    return _digest([(p.relative_to(_ROOT).as_posix(), p.read_bytes()) for p in build_inputs()])
+
+
+def _body_digest(body: str) -> str:
+    return _digest([("body", body.encode())])
 
 
 def cluster_text(name: str, mapping: Mapping[str, Any], inputs: Optional[str] = None) -> str:
     body = yaml.dump(dict(mapping), Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True)
-    return GENERATED_HEADER.format(name=name, inputs=inputs or inputs_digest(),
-                                   body=_digest([("body", body.encode())])) + body
+    return GENERATED_HEADER.format(name=name, inputs=inputs or inputs_digest(), body=_body_digest(body)) + body
 
 
 def is_current(text: str, inputs: str) -> bool:
-    """Whether a cluster file states the current inputs' digest and its body is the one it was
-    written with (no hand edit since)."""
-    header, sep, body = text.partition("\nversion:")
-    line = next((ln for ln in header.splitlines() if ln.startswith(DIGEST_LINE)), "")
-    stated = line[len(DIGEST_LINE):].split("; body ")
-    return (bool(sep) and len(stated) == 2 and stated[0] == inputs
-            and stated[1] == _digest([("body", ("version:" + body).encode())]))
+    """Whether a cluster file states the current inputs' digest and its body (what follows the
+    header) is the one it was written with (no hand edit since)."""
+    lines = text.split("\n", HEADER_LINES)
+    if len(lines) <= HEADER_LINES or not lines[HEADER_LINES - 1].startswith(DIGEST_LINE):
+        return False
+    return lines[HEADER_LINES - 1][len(DIGEST_LINE):] == f"{inputs}; body {_body_digest(lines[HEADER_LINES])}"
 
 
 def read_datasheets(folder: Optional[Path] = None) -> dict[str, dict[str, Any]]:
