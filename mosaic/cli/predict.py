@@ -85,6 +85,14 @@ def plot_breakdown(rows: list[dict[str, Any]], labels: list[str], path: Path, ti
     plt.close(fig)
 
 
+def model_card_params(arch: Any) -> dict[str, float]:
+    """Totals as model cards state them: every parameter with both embedding matrices (MTP modules
+    apart), and `perfmodel.specs.architecture.model_card_active_params`."""
+    from perfmodel.specs.architecture import model_card_active_params
+
+    return {"total": arch.total_params(embeddings=True), "active": float(model_card_active_params(arch))}
+
+
 def _summary_table(row: dict[str, Any], usable_hbm: float, title: str, split: str = "") -> Table:
     table = Table(title=title, show_header=False)
     table.add_column("figure")
@@ -98,6 +106,9 @@ def _summary_table(row: dict[str, Any], usable_hbm: float, title: str, split: st
         table.add_row("MFU, PaLM/Megatron convention", f"{row['mfu_palm']:.1%}")
     table.add_row("model TFLOP/s per device", f"{row['tflops_per_device']:,.1f}")
     table.add_row("memory per device", f"{_gb(row['memory_per_device_bytes'])} of {_gb(usable_hbm)} usable")
+    if "model_card_params" in row:
+        total, active = row["model_card_params"]["total"], row["model_card_params"]["active"]
+        table.add_row("parameters total / active (model-card count)", f"{total / 1e9:,.2f}B / {active / 1e9:,.2f}B")
     table.add_row("devices", str(row["devices"]))
     table.add_row("micro-batches per step (m)", f"{row['micro_batches']:g}")
     table.add_row("slowest pipeline stage", f"{row['bottleneck_stage']} (rank {row.get('bottleneck_rank', 0)})"
@@ -256,7 +267,7 @@ def predict(
     problem = dispatcher_problem(spec, lay)
     if problem:
         raise InputError(problem)
-    row = evaluate(arch, lay, spec, n).row(0)
+    row = {**evaluate(arch, lay, spec, n).row(0), "model_card_params": model_card_params(arch)}
     split = describe_split(arch.n_layers, arch.n_mtp_layers, lay)
     payload = {"cluster": spec.name, "model": str(model), "layout": _layout_dict(lay), "pipeline_split": split, **row}
     if plot is not None:

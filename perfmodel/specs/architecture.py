@@ -327,6 +327,17 @@ def active_params(arch: ArchLike, embeddings: bool = False) -> Values:
     return body + embedding_params(arch) if embeddings else body
 
 
+def model_card_active_params(arch: ArchLike) -> Values:
+    """Activated parameters as model cards count them: N_act + the LM head (V h), the weights a
+    token's forward multiplies by; the input embedding is a row lookup, not counted (tied: the
+    head is that matrix, counted once). MTP modules are left out, as from the cards' totals.
+    The convention of DeepSeek, Qwen and Moonshot, checked at their cards' precision: DeepSeek-V3
+    36.62B -> "37B", Qwen3-235B 21.57B -> "22B", Kimi K2 31.69B -> "32B"; with the input embedding
+    counted too, V3 (37.55B) and K2 (32.86B) would round to 38B and 33B. Mistral counts it:
+    Mixtral 8x7B's "12.9B" is active_params(embeddings=True), 12.88B."""
+    return active_params(arch) + np.asarray(arch.vocab_size) * arch.d_model
+
+
 def mtp_params(arch: ArchLike, active: bool = False) -> Values:
     """Parameters of the multi-token prediction modules (all or `active` per token): per module
     two input norms + final norm (3h), the 2h -> h projection, one layer of the model's last

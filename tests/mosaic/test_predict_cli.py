@@ -122,6 +122,10 @@ def test_frontier_plans_predict(name):
     data = json.loads(result.output)
     assert data["feasible"] and data["devices"] in (64, 256)
     assert data["pipeline_split"].startswith("E") or data["layout"]["pp"] == 1
+    params = data["model_card_params"]
+    assert 0 < params["active"] < params["total"]
+    if name == "deepseek_v3_gb200_256":  # "671B total, 37B activated" (arXiv 2412.19437)
+        assert round(params["total"] / 1e9) == 671 and round(params["active"] / 1e9) == 37
 
 
 def test_balanced_default_and_missing_dispatcher_in_the_cli():
