@@ -85,14 +85,6 @@ def plot_breakdown(rows: list[dict[str, Any]], labels: list[str], path: Path, ti
     plt.close(fig)
 
 
-def model_card_params(arch: Any) -> dict[str, float]:
-    """Totals as model cards state them: every parameter with both embedding matrices (MTP modules
-    apart), and `perfmodel.specs.architecture.model_card_active_params`."""
-    from perfmodel.specs.architecture import model_card_active_params
-
-    return {"total": arch.total_params(embeddings=True), "active": float(model_card_active_params(arch))}
-
-
 def _summary_table(row: dict[str, Any], usable_hbm: float, title: str, split: str = "") -> Table:
     table = Table(title=title, show_header=False)
     table.add_column("figure")
@@ -149,12 +141,6 @@ def _memory_table(row: dict[str, Any]) -> Table:
     return table
 
 
-def _layout_dict(layout: Any) -> dict[str, Any]:
-    from perfmodel.specs.layout import LAYOUT_FIELDS
-
-    return {name: getattr(layout, name) for name in LAYOUT_FIELDS}
-
-
 @cli_errors
 def predict(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Bundled cluster name or a cluster YAML path "
@@ -174,6 +160,7 @@ def predict(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the breakdown as stacked bars to FILE.png."),
 ) -> None:
     """Predict step time, tokens/s, MFU and memory of a model and layout on a cluster."""
+    from mosaic.planner.plan import layout_dict, model_dict
     from perfmodel.clusters import load_cluster
     from perfmodel.dispatch import dispatcher_problem
     from perfmodel.evaluate import evaluate
@@ -223,7 +210,7 @@ def predict(
             raise InfeasibleError(f"no feasible layout for {model} on {spec.name} with {n} devices, "
                                   f"gbs={stats['gbs']} ({stats['candidates']} candidates; {reasons}); "
                                   "try more devices, another gbs or a smaller model")
-        rows = [{"layout": _layout_dict(grid.row(i)), "layout_string": grid.row(i).to_string(), **result.row(i)}
+        rows = [{"layout": layout_dict(grid.row(i)), "layout_string": grid.row(i).to_string(), **result.row(i)}
                 for i in range(len(grid))]
         if plot is not None:
             plot_breakdown(rows, [f"#{i + 1} {grid.row(i).label()}" for i in range(len(rows))], plot,
@@ -267,9 +254,11 @@ def predict(
     problem = dispatcher_problem(spec, lay)
     if problem:
         raise InputError(problem)
-    row = {**evaluate(arch, lay, spec, n).row(0), "model_card_params": model_card_params(arch)}
+    sizes = model_dict(arch)
+    row = {**evaluate(arch, lay, spec, n).row(0), "model_card_params": {
+        "total": sizes["n_total_params_with_embeddings"], "active": sizes["n_active_params_model_card"]}}
     split = describe_split(arch.n_layers, arch.n_mtp_layers, lay)
-    payload = {"cluster": spec.name, "model": str(model), "layout": _layout_dict(lay), "pipeline_split": split, **row}
+    payload = {"cluster": spec.name, "model": str(model), "layout": layout_dict(lay), "pipeline_split": split, **row}
     if plot is not None:
         plot_breakdown([row], [lay.label()], plot, f"{model.stem} on {spec.name} ({n} devices)")
     if json_output:

@@ -29,6 +29,7 @@ from perfmodel.specs.architecture import (
     active_params,
     expert_sparsity,
     granularity,
+    model_card_active_params,
     model_flops_per_token,
     sparsity,
     total_params,
@@ -48,6 +49,7 @@ def model_dict(arch: MoEArchitecture) -> dict[str, Any]:
     out["n_total_params"] = float(total_params(arch))
     out["n_active_params"] = float(active_params(arch))
     out["n_total_params_with_embeddings"] = float(total_params(arch, embeddings=True))
+    out["n_active_params_model_card"] = float(model_card_active_params(arch))
     out["sparsity"] = float(sparsity(arch))
     out["expert_sparsity"] = float(expert_sparsity(arch))
     out["granularity"] = float(granularity(arch))
