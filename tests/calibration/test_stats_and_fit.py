@@ -113,6 +113,23 @@ def test_gemm_ceilings_recover_the_form_that_made_the_rows(tmp_path):
     assert found["fp32"] > max(r[-1] for r in rows) * 1e12  # above every measured rate: e_max is 1 there
 
 
+def test_gemm_ceiling_is_no_lower_than_a_lone_fast_row(tmp_path):
+    """One small shape far above the form's curve (as emulated bf16 on a cpu runs): the robust fit
+    follows the others, and the ceiling is still at least that row's rate."""
+    import itertools
+
+    from perfmodel.kernels.forms import gemm_efficiency
+
+    ceiling, halves = 150e9, (30.0, 50.0, 40.0)
+    rows = [("acc", "bf16", m, n, k, ceiling * gemm_efficiency(m, n, k, 1.0, *halves) / 1e12)
+            for m, n, k in itertools.product((16, 64, 256), (16, 64, 256), (16, 64, 256))]
+    fast = 3 * ceiling
+    rows[0] = rows[0][:-1] + (fast / 1e12,)  # the 16^3 shape, 3x the ceiling
+    table = _table(tmp_path, "gemm", ("accelerator", "precision", "m", "n", "k", "tflops"), rows)
+    found = gemm_ceilings(table, "acc", hbm_bytes_per_s=1e15, copy_fraction=1.0)
+    assert found["bf16"] >= fast
+
+
 def test_memory_ceiling_is_the_copy_asymptote(tmp_path):
     from perfmodel.kernels.forms import memory_efficiency
 
