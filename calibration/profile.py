@@ -50,6 +50,13 @@ GENERATED_HEADER = ("# Written by `mosaic calibrate`: the datasheet of {base} wi
                     "# perfmodel.kernels.build.build_cluster, as the bundled clusters are.\n")
 
 
+def ceil_6g(x: float) -> float:
+    """x to 6 significant digits, rounded up: a peak written to the file stays at or above the
+    ceiling it comes from (and so above every measured rate, `calibration.fit.gemm_ceilings`)."""
+    unit = 10.0 ** (np.floor(np.log10(x)) - 5)
+    return float(f"{np.ceil(x / unit) * unit:.6g}")
+
+
 def load_average() -> Optional[float]:
     try:
         return round(os.getloadavg()[0], 2)
@@ -195,7 +202,7 @@ def _calibrate_accelerator(acc: dict[str, Any], measured: MeasuredTables, cpu: b
             datasheet = peaks.get(precision)
             measured_peak = cpu or datasheet is None or ceiling > datasheet
             if measured_peak:
-                peaks[precision] = float(f"{ceiling:.6g}")
+                peaks[precision] = ceil_6g(ceiling)
             quality[precision] = {"peak_flops_per_s": peaks[precision], "ceiling_flops_per_s": float(f"{ceiling:.6g}"),
                                   "peak_from": "measured" if measured_peak else "datasheet"}
         acc["peak_flops_per_s"] = peaks

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from calibration.fit import AlphaBetaFit, fit_alpha_beta_arrays, gemm_ceilings, memory_ceiling
-from calibration.profile import level_figures
+from calibration.profile import ceil_6g, level_figures
 from calibration.stats import outlier_mask, summarize
 
 
@@ -182,3 +182,12 @@ def test_latency_steps_match_perfmodel_comm():
                                         ll_collective_latency_s={}, ll_collective_efficiency={})
             spec = dataclasses.replace(cluster, levels=(level, *cluster.levels[1:]))
             assert float(collective_time(spec, kind, 1.0, n, 1)) == pytest.approx(1e-3, rel=1e-3), (kind, n)
+
+
+def test_a_written_peak_is_rounded_up_to_six_digits():
+    """The profile's peak (6 significant digits) never falls below the ceiling it is written from:
+    2115224463 FLOP/s, the best bf16 row of a CI run, was written as 2.11522e9 before."""
+    assert ceil_6g(2115224463.2476266) == 2.11523e9 and ceil_6g(2.11522e9) == 2.11522e9
+    assert ceil_6g(0.00123456789) == 0.00123457 and ceil_6g(999999.5) == 1e6
+    xs = 10 ** np.random.default_rng(1).uniform(-6, 16, 10000)
+    assert all(x <= ceil_6g(x) <= x * (1 + 1e-5) for x in xs)
