@@ -56,11 +56,10 @@ def search_line(s: dict[str, Any]) -> str:
     space = s.get("space_layouts", s["layouts_per_geometry"])
     line = f"search: {s['solver']}, {s['geometries']:,} geometries x {space:,} layouts"
     if "candidates_in_space" in s:
-        timed = f"{s['timed']:,} timed" if s.get("timed") is not None else "timed in worker processes"
-        after = f"{s['pruned_after_building']:,}" if s.get("pruned_after_building") is not None else "the rest"
-        line += (f" = {s['candidates_in_space']:,} candidates; {timed}, the rest pruned exactly "
+        line += (f" = {s['candidates_in_space']:,} candidates; {s['timed']:,} timed, the rest pruned exactly "
                  f"(overlap rules and dominance {s['pruned_overlap_dominance']:,}, loss bound {s['pruned_loss_bound']:,} "
-                 f"in {s['pruned_geometries']:,} geometries, validity/memory/recompute/compute bound {after})")
+                 f"in {s['pruned_geometries']:,} geometries, validity/memory/recompute/compute bound "
+                 f"{s['pruned_after_building']:,})")
     if "status" in s:
         line += (f"; MINLP over {s.get('geometries_in_model', 0):,} geometries after presolve: status {s['status']}, "
                  f"gap {s.get('gap')}, solver {s.get('solver_seconds', 0):.2f} s")
@@ -199,12 +198,14 @@ def plan(
     time_limit: float = typer.Option(300.0, "--time-limit", help="Seconds the MINLP solver may take (scip, bonmin, mindtpy)."),
     pick: str = typer.Option("robust", "--pick", help="robust: the robust pick among the indistinguishable plans; "
                              "nominal: the lowest predicted loss."),
-    workers: int = typer.Option(1, "--workers", help="Processes for the enumeration (large spaces)."),
+    workers: int = typer.Option(0, "--workers", help="Processes for the enumeration (0 = auto: every core for a "
+                                "space of over 2e7 pairs, else 1)."),
     sensitivity: bool = typer.Option(False, "--sensitivity", help="Move budget, bandwidth and HBM by +-20%; bootstrap."),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide the progress bar."),
 ) -> None:
     """Plan a sparse MoE training run: the cluster-optimal and the compute-optimal answer side by side."""
     from mosaic.planfile import write_plan
+    from mosaic.planner.enumerate import auto_workers
     from mosaic.planner.plan import solve
     from mosaic.planner.problem import build_problem
 
@@ -216,7 +217,7 @@ def plan(
     total = len(problem.geoms) * len(problem.evaluator.grid)
     bar, advance = progress_bar(total, "planning", enabled=not json_output and not no_progress)
     with bar:
-        result = solve(problem, solver=solver, top=top, progress=advance, workers=max(1, workers),
+        result = solve(problem, solver=solver, top=top, progress=advance, workers=auto_workers(problem, max(0, workers)),
                        time_limit_s=time_limit, pick=pick)
     if sensitivity:
         from mosaic.planner.sensitivity import bootstrap_comparison, sensitivity_table

@@ -32,7 +32,8 @@ def sweep(
     hours: Optional[float] = typer.Option(None, "--hours", help="Wall time in hours."),
     fit: Optional[str] = typer.Option(None, "--fit", help="Scaling-law fit YAML (default: the bundled fit)."),
     space: Optional[str] = typer.Option(None, "--space", help="Search-space YAML (default: the bundled space)."),
-    workers: int = typer.Option(1, "--workers", help="Processes for the enumeration."),
+    workers: int = typer.Option(0, "--workers", help="Processes for the enumeration (0 = auto: every core for a "
+                                "space of over 2e7 pairs, else 1)."),
     json_output: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """Best predicted loss per value under the compute-optimal and the cluster-optimal budget."""
@@ -43,7 +44,7 @@ def sweep(
     from perfmodel.specs.strict import write_text_atomic
 
     frame = run_sweep(cluster, over, _values(values), devices=devices, days=days, hours=hours, fit=fit, space=space,
-                      workers=max(1, workers))
+                      workers=max(0, workers))
     if output:
         write_text_atomic(output, frame.to_csv(index=False))
     if plot:

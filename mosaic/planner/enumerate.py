@@ -21,6 +21,7 @@ the search reruns unpruned.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +32,20 @@ import numpy as np
 from mosaic.planner import law as lawmod
 from mosaic.planner.candidates import GeometryResults
 from mosaic.planner.problem import Problem, init_worker
+
+AUTO_WORKERS_PAIRS = 20_000_000
+"""(geometry x layout) pairs of a space above which `auto_workers` uses every core: below it a
+process pool's start costs more than it saves (the bundled spaces hold 10^8-10^9)."""
+
+
+def auto_workers(problem: Problem, workers: int = 0) -> int:
+    """`workers` processes for the enumeration; 0 = auto: the machine's cores (`os.sched_getaffinity`)
+    for a space of more than AUTO_WORKERS_PAIRS pairs, else 1."""
+    if workers > 0:
+        return int(workers)
+    pairs = len(problem.geoms) * len(problem.evaluator.grid)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores) if pairs > AUTO_WORKERS_PAIRS else 1
 
 
 @dataclass
@@ -129,4 +144,4 @@ def rank_compute_optimal(problem: Problem, subset: Optional[np.ndarray] = None) 
                   pairs_seen=0, pruned_geometries=0)
 
 
-__all__ = ["Ranked", "rank_cluster_optimal", "rank_compute_optimal"]
+__all__ = ["AUTO_WORKERS_PAIRS", "Ranked", "auto_workers", "rank_cluster_optimal", "rank_compute_optimal"]

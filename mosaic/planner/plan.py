@@ -240,7 +240,7 @@ def infeasible_error(problem: Problem, ranked: Ranked) -> InfeasibleError:
         "(geometry.active_params / d_model), or more devices (", Param("devices"), ")")
 
 
-def search_counts(problem: Problem, workers: int = 1) -> dict[str, Any]:
+def search_counts(problem: Problem) -> dict[str, Any]:
     """What the searches of this problem considered, pruned and evaluated: candidates = geometry x
     layout pairs of the space; pruned by overlap dominance (layouts dropped from the grid), by the
     loss bound (geometries whose pairs were never built), after building (validity, memory,
@@ -248,13 +248,13 @@ def search_counts(problem: Problem, workers: int = 1) -> dict[str, Any]:
     ev = problem.evaluator
     grid = len(ev.grid)
     built = ev.counts["built"]
-    timed = ev.counts["timed"] if workers <= 1 else None  # worker processes count their own
+    timed = ev.counts["timed"]  # worker processes' counts included (problem.evaluate)
     searched = {g for g in problem._cache}
     return {"evaluated_geometries": len(searched), "pruned_geometries": len(problem.geoms) - len(searched),
             "candidates": built, "candidates_in_space": len(problem.geoms) * ev.space_layouts,
             "pruned_overlap_dominance": len(problem.geoms) * (ev.space_layouts - grid),
             "pruned_loss_bound": len(problem.geoms) * grid - built,
-            "timed": timed, "pruned_after_building": None if timed is None else built - timed}
+            "timed": timed, "pruned_after_building": built - timed}
 
 
 def _put_first(ranked: Ranked, g: int) -> Ranked:
@@ -334,7 +334,7 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
     chosen, alternatives = choices[0], choices[1:]
     co_choice = compute_optimal_choice(problem, co)
     if solver == "enumerate":
-        search.update(search_counts(problem, workers))
+        search.update(search_counts(problem))
     search["seconds"] = time.perf_counter() - t0
     if search.get("candidates"):
         search["candidates_per_s"] = search["candidates"] / max(search["seconds"], 1e-9)

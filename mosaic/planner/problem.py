@@ -159,7 +159,11 @@ class Problem:
             chunks = [missing[i:i + per_chunk] for i in range(0, len(missing), per_chunk)]
             floors = [np.asarray([floor_of.get(int(g), 0.0) for g in c]) for c in chunks]
             if pool is not None and len(chunks) > 1:
-                parts = list(pool.map(_run_chunk, chunks, floors))
+                parts = []
+                for part, counts in pool.map(_run_chunk, chunks, floors):
+                    parts.append(part)
+                    for key, value in counts.items():  # what the worker built and timed
+                        self.evaluator.counts[key] += value
                 if progress is not None:
                     progress(len(missing) * len(self.evaluator.grid))
             else:
@@ -188,8 +192,12 @@ def init_worker(evaluator: PairEvaluator) -> None:
     _WORKER["evaluator"] = evaluator
 
 
-def _run_chunk(chunk: np.ndarray, floor: np.ndarray) -> GeometryResults:
-    return _WORKER["evaluator"].run(chunk, None, floor)
+def _run_chunk(chunk: np.ndarray, floor: np.ndarray) -> tuple[GeometryResults, dict[str, int]]:
+    """One chunk searched in a worker, with the pairs it built and timed (the parent's counts)."""
+    evaluator = _WORKER["evaluator"]
+    before = dict(evaluator.counts)
+    part = evaluator.run(chunk, None, floor)
+    return part, {key: evaluator.counts[key] - before[key] for key in before}
 
 
 def make_problem(cluster: ClusterSpec, budget: Budget, space: SearchSpace, law: lawmod.Law, prune: bool = True,

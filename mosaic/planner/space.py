@@ -31,7 +31,7 @@ import numpy as np
 from perfmodel import layouts as perfmodel_layouts
 from perfmodel import validity as perfmodel_validity
 from perfmodel.errors import InputError
-from perfmodel.specs.architecture import CORE_ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
+from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, MoEArchitecture, active_params
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import (
     DEFAULT_RECOMPUTE_MASK,
@@ -46,6 +46,7 @@ from perfmodel.specs.layout import (
 from perfmodel.specs.strict import check, load_spec, spec_from_dict
 
 PIPELINE_SPLITS = ("default", "balanced")
+ATTENTION_KINDS = ("gqa", "mla")
 
 IntList = tuple[int, ...]
 TP_RULES = ("tp_divides_heads", "tp_divides_ffn")
@@ -55,6 +56,25 @@ TP_RULES = ("tp_divides_heads", "tp_divides_ffn")
 def _positive_list(values: tuple, key: str) -> None:
     check(len(values) > 0, key, "is empty", "give at least one value")
     check(all(v > 0 for v in values), key, f"values must be > 0, got {list(values)}", "use positive values")
+
+
+@dataclass(frozen=True)
+class MLARanks:
+    """The latent ranks of the space's MLA geometries. Defaults: DeepSeek-V3's (arXiv 2412.19437
+    sec. 4.2: d_c = 512, d'_c = 1536, d_h^R = 64), which DeepSeek-V2 (h 5120, arXiv 2405.04434
+    sec. 3.1) and Kimi K2 (h 7168) share: the ranks stay fixed while the width changes."""
+
+    q_lora_rank: int = 1536
+    """Query compression rank r_q (0, and where r_q >= d_model: queries projected from h, as
+    DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+
+    def __post_init__(self) -> None:
+        check(self.q_lora_rank >= 0, "q_lora_rank", "must be >= 0", "e.g. 1536, or 0 for no query compression")
+        check(self.kv_lora_rank >= 1, "kv_lora_rank", "must be >= 1", "e.g. 512")
+        check(self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+              f"must be even and >= 2, got {self.qk_rope_head_dim}", "e.g. 64")
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,11 @@ class GeometrySpace:
     ffn_ratio: float = 4.0
     gated_ffn: bool = True
     tie_embeddings: bool = False
+    attention: tuple[str, ...] = ("gqa",)
+    """Attention kinds to search: gqa (n_kv_heads = kv_heads) and mla (multi-head latent attention
+    with the ranks of `mla`, where kv_lora_rank < d_model: n_kv_heads = n_heads, query/key heads head_dim + qk_rope_head_dim
+    wide, value heads head_dim wide, n_heads = d_model / head_dim as DeepSeek-V2-Lite's 16 x 128)."""
+    mla: MLARanks = field(default_factory=MLARanks)
     seq_len: IntList = (4096,)
     vocab_size: IntList = (131072,)
     active_params: Union[tuple[float, ...], str] = "auto"
@@ -101,6 +126,9 @@ class GeometrySpace:
         check(self.head_dim >= 1 and self.kv_heads >= 1 and self.d_expert_multiple >= 1, "head_dim",
               "head_dim, kv_heads and d_expert_multiple must be >= 1", "give positive integers")
         check(self.ffn_ratio > 0, "ffn_ratio", "must be > 0", "e.g. 4.0")
+        bad = [a for a in self.attention if a not in ATTENTION_KINDS]
+        check(len(self.attention) > 0 and not bad, "attention", f"unknown or empty: {list(self.attention)}",
+              f"use some of {', '.join(ATTENTION_KINDS)}")
         if isinstance(self.active_params, str):
             check(self.active_params == "auto", "active_params", f"{self.active_params!r} is not 'auto'",
                   "write auto or [min, max]")
@@ -282,9 +310,10 @@ def geometries(resolved: ResolvedSpace) -> GeometrySet:
     grids = np.meshgrid(
         np.asarray(geo.d_model), np.asarray(geo.n_layers), np.asarray(geo.n_experts), np.asarray(geo.top_k),
         np.asarray(geo.granularity, dtype=float), np.asarray(geo.n_shared_experts), np.asarray(geo.n_dense_layers),
-        np.asarray(geo.seq_len), np.asarray(geo.vocab_size), indexing="ij",
+        np.asarray(geo.seq_len), np.asarray(geo.vocab_size), np.asarray([a == "mla" for a in geo.attention]),
+        indexing="ij",
     )
-    h, n_layers, n_experts, top_k, gran, shared, dense_layers, seq, vocab = (g.ravel() for g in grids)
+    h, n_layers, n_experts, top_k, gran, shared, dense_layers, seq, vocab, mla = (g.ravel() for g in grids)
     dense = n_experts == 0
     # A dense model has no routing: collapse k, G, shared and dense-layer choices to one row.
     top_k = np.where(dense, 0, top_k)
@@ -303,24 +332,29 @@ def geometries(resolved: ResolvedSpace) -> GeometrySet:
     needs_dense_ffn = dense | (dense_layers > 0)
     d_ff_dense = np.where(needs_dense_ffn, _round_to(d_ff_ref, geo.d_expert_multiple), 0)
     n_heads = h // geo.head_dim
-    n_kv = np.minimum(geo.kv_heads, n_heads)
+    n_kv = np.where(mla, n_heads, np.minimum(geo.kv_heads, n_heads))
     ok &= (n_heads % np.maximum(n_kv, 1) == 0)
+    rank = lambda value: np.where(mla, value, 0)  # noqa: E731
+    ok &= ~mla | (geo.mla.kv_lora_rank < h)  # a latent compresses h
     cols = {
         "n_layers": n_layers, "d_model": h, "n_heads": n_heads, "n_kv_heads": n_kv,
-        "head_dim": np.full_like(h, geo.head_dim), "vocab_size": vocab, "seq_len": seq,
+        "head_dim": geo.head_dim + rank(geo.mla.qk_rope_head_dim), "vocab_size": vocab, "seq_len": seq,
         "n_experts": n_experts, "top_k": top_k, "n_shared_experts": shared, "d_expert": d_expert,
         "d_ff_dense": d_ff_dense, "n_dense_layers": dense_layers,
         "ffn_ratio": np.full(h.shape, float(geo.ffn_ratio)),
         "gated_ffn": np.full(h.shape, bool(geo.gated_ffn)), "tie_embeddings": np.full(h.shape, bool(geo.tie_embeddings)),
+        "q_lora_rank": np.where(geo.mla.q_lora_rank < h, rank(geo.mla.q_lora_rank), 0), "kv_lora_rank": rank(geo.mla.kv_lora_rank),
+        "qk_rope_head_dim": rank(geo.mla.qk_rope_head_dim), "v_head_dim": rank(geo.head_dim),
+        "n_mtp_layers": np.zeros_like(h),  # MTP: not searched (the law has no term for it)
     }
     cols = {k: (v.astype(np.int64) if k not in ("ffn_ratio", "gated_ffn", "tie_embeddings") else v) for k, v in cols.items()}
-    archs = ArchBatch(**{name: cols[name] for name in CORE_ARCH_FIELDS})  # no MLA / MTP in the space
+    archs = ArchBatch(**{name: cols[name] for name in ARCH_FIELDS})
     n_act = active_params(archs)
     lo, hi = resolved.active_params_range
     ok &= (n_act >= lo) & (n_act <= hi)
     # Dense rows were collapsed: drop exact duplicates.
     keep = np.flatnonzero(ok)
-    stacked = np.stack([np.asarray(cols[name], dtype=float)[keep] for name in CORE_ARCH_FIELDS], axis=1)
+    stacked = np.stack([np.asarray(cols[name], dtype=float)[keep] for name in ARCH_FIELDS], axis=1)
     _, first = np.unique(stacked, axis=0, return_index=True)
     keep = keep[np.sort(first)]
     return GeometrySet(archs.take(keep), gran[keep])
@@ -328,12 +362,14 @@ def geometries(resolved: ResolvedSpace) -> GeometrySet:
 
 def geometry_label(arch: MoEArchitecture) -> str:
     """Short human form of a geometry, words split only at spaces: ``L32 h4096 E64 k2 d_expert1024 Es1``
-    (Es when shared experts exist), ``L32 h4096 dense`` for a dense model."""
+    (Es when shared experts exist), ``L32 h4096 dense`` for a dense model; `` MLA`` ends an MLA one."""
     text = f"L{arch.n_layers} h{arch.d_model}"
     if not arch.n_experts:
-        return f"{text} dense"
-    text += f" E{arch.n_experts} k{arch.top_k} d_expert{arch.d_expert}"
-    return text + (f" Es{arch.n_shared_experts}" if arch.n_shared_experts else "")
+        text += " dense"
+    else:
+        text += f" E{arch.n_experts} k{arch.top_k} d_expert{arch.d_expert}"
+        text += f" Es{arch.n_shared_experts}" if arch.n_shared_experts else ""
+    return text + (" MLA" if arch.kv_lora_rank else "")
 
 
 def usable_tp(resolved: ResolvedSpace, geoms: GeometrySet) -> ResolvedSpace:
@@ -425,7 +461,7 @@ def split_and_dispatch_variants(grid: LayoutBatch, splits: tuple[str, ...], disp
 
 
 __all__ = [
-    "ComputeOptimalSpec", "GeometrySet", "GeometrySpace", "LayoutSpace", "ResolvedSpace", "SearchSpace",
+    "ComputeOptimalSpec", "GeometrySet", "GeometrySpace", "LayoutSpace", "MLARanks", "ResolvedSpace", "SearchSpace",
     "default_space_path", "geometries", "geometry_label", "layout_grid", "load_space", "resolve_space", "scale_up_devices",
     "usable_tp",
     "space_from_dict",

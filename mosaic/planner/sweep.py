@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mosaic.planner.enumerate import Ranked, rank_cluster_optimal, rank_compute_optimal
+from mosaic.planner.enumerate import Ranked, auto_workers, rank_cluster_optimal, rank_compute_optimal
 from mosaic.planner.problem import Problem, build_problem
 from mosaic.planner.space import geometry_label
 from perfmodel.errors import InputError, Param
@@ -87,7 +87,7 @@ def _row(problem: Problem, over: str, value: float, subset: Optional[np.ndarray]
     if subset is not None and len(subset) == 0:
         row.update({"cluster_optimal_loss": np.nan, "compute_optimal_loss": np.nan})
         return row
-    row.update(_describe(problem, rank_cluster_optimal(problem, top=1, subset=subset, workers=workers),
+    row.update(_describe(problem, rank_cluster_optimal(problem, top=1, subset=subset, workers=auto_workers(problem, workers)),
                          "cluster_optimal", with_layout=True))
     row.update(_compute_side(problem, subset))
     return row
@@ -95,8 +95,8 @@ def _row(problem: Problem, over: str, value: float, subset: Optional[np.ndarray]
 
 def sweep(cluster: Any, over: str, values: Optional[list[float]] = None, devices: Optional[int] = None,
           days: Optional[float] = None, hours: Optional[float] = None, fit: Any = None, space: Any = None,
-          workers: int = 1) -> Any:
-    """Best loss per value under both budgets, as a pandas DataFrame."""
+          workers: int = 0) -> Any:
+    """Best loss per value under both budgets, as a pandas DataFrame (`workers`: `auto_workers`)."""
     import pandas as pd
 
     if over not in OVER:

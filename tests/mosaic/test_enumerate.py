@@ -24,9 +24,13 @@ def _problem(law, space, prune=True, devices=64, days=5.0, cluster="h100"):
     return build_problem(cluster, devices=devices, days=days, fit=law, space=space, prune=prune)
 
 
-def test_enumeration_matches_a_brute_force_loop(law, space):
-    """Every geometry's loss equals a loop over hand-built ParallelLayouts through evaluate."""
+@pytest.mark.parametrize("attention", [("gqa",), ("gqa", "mla")])
+def test_enumeration_matches_a_brute_force_loop(law, make_space, attention):
+    """Every geometry's loss equals a loop over hand-built ParallelLayouts through evaluate (MLA
+    geometries too, when the space lists them)."""
+    space = make_space(attention=attention)
     p = _problem(law, space)
+    assert np.any(p.geoms.archs.kv_lora_rank > 0) == ("mla" in attention)
     ranked = rank_cluster_optimal(p, top=len(p.geoms))
     lay_space = space.layout
     layouts = []
@@ -142,9 +146,23 @@ def test_infeasible_budget_names_memory_and_the_relaxation(law, space):
 def test_process_parallel_search_gives_the_same_answer(law, space, monkeypatch):
     monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 2000)
     one = rank_cluster_optimal(_problem(law, space), top=3)
-    two = rank_cluster_optimal(_problem(law, space), top=3, workers=2)
+    p_two = _problem(law, space)
+    two = rank_cluster_optimal(p_two, top=3, workers=2)
     np.testing.assert_array_equal(one.index[:3], two.index[:3])
+    counts = p_two.evaluator.counts  # the workers' pairs reach the parent's counts
+    assert counts["built"] == two.pairs_seen > counts["timed"] > 0
     np.testing.assert_allclose(one.loss[:3], two.loss[:3], rtol=1e-12)
+
+
+def test_auto_workers_use_every_core_only_on_a_large_space(law, space, monkeypatch):
+    from mosaic.planner import enumerate as enumerate_mod
+
+    p = _problem(law, space)
+    assert len(p.geoms) * len(p.evaluator.grid) < enumerate_mod.AUTO_WORKERS_PAIRS
+    assert enumerate_mod.auto_workers(p) == 1 and enumerate_mod.auto_workers(p, 3) == 3
+    monkeypatch.setattr(enumerate_mod, "AUTO_WORKERS_PAIRS", 0)
+    monkeypatch.setattr(enumerate_mod.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert enumerate_mod.auto_workers(p) == 4 and enumerate_mod.auto_workers(p, 1) == 1
 
 
 def test_progress_counts_every_candidate_seen(law, space, monkeypatch):

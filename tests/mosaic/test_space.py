@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import yaml
 
+from mosaic.planner import space as space_mod
 from mosaic.planner.space import (
     TP_RULES,
     default_space_path,
@@ -20,6 +21,7 @@ from mosaic.planner.space import (
 from perfmodel.errors import InputError
 from perfmodel.specs.architecture import ARCH_FIELDS, active_params
 from perfmodel.specs.layout import RECOMPUTE_MODES, gbs_holding_tokens
+from perfmodel.specs.strict import spec_to_dict
 
 
 def test_default_space_expands_to_valid_geometries():
@@ -172,3 +174,52 @@ def test_a_split_or_dispatcher_list_keeps_the_rows_it_does_not_apply_to(splits, 
     assert not balanced[pp == 1].any() and (disp[ep == 1] == DISPATCHERS.index("alltoall")).all()
     single = (pp == 1) & (ep == 1)
     assert single.sum() == ((np.asarray(grid.pp) == 1) & (np.asarray(grid.ep) == 1)).sum()  # once, not per choice
+
+
+def test_mla_geometries_join_the_space_with_their_ranks():
+    """attention: [gqa, mla] adds each geometry once more with DeepSeek's latent attention: every
+    head its own K and V (n_kv = n_heads), query/key heads head_dim + rope wide, the ranks of
+    `mla`, query compression only where its rank is below d_model; no other field changes."""
+    from perfmodel.specs.architecture import CORE_ARCH_FIELDS
+
+    space = load_space().replace_geometry(d_model=(1536, 2048, 4096), n_layers=(16, 32), active_params=(1e7, 1e13))
+    resolved = resolve_space(space, tp_domain_devices=8, compute_optimal_flops=1e23)
+    gqa = geometries(resolved).archs
+    both = geometries(resolved_mla := resolve_space(space.replace_geometry(attention=("gqa", "mla")), 8, 1e23)).archs
+    mla = both.kv_lora_rank > 0
+    ranks = resolved_mla.space.geometry.mla
+    assert (ranks.q_lora_rank, ranks.kv_lora_rank, ranks.qk_rope_head_dim) == (1536, 512, 64)  # DeepSeek-V3
+    assert np.sum(~mla) == len(gqa) and np.any(mla)
+    assert np.all(both.kv_lora_rank[mla] == 512) and np.all(both.v_head_dim[mla] == 128)
+    assert np.all(both.head_dim[mla] == 192) and np.all(both.n_kv_heads[mla] == both.n_heads[mla])
+    assert np.all(both.n_heads[mla] * 128 == both.d_model[mla])
+    assert np.all((both.q_lora_rank[mla] == 1536) == (both.d_model[mla] > 1536))
+    assert not np.any(both.kv_lora_rank[~mla] | both.q_lora_rank[~mla] | both.v_head_dim[~mla])
+    # h1536 has 12 heads: no GQA row (8 KV heads do not divide 12), MLA rows (12 K/V heads)
+    assert not np.any(gqa.d_model == 1536) and np.any(both.d_model[mla] == 1536)
+    # the same shapes otherwise (the active-parameter band is wide enough to keep both)
+    def keys(a, sel):
+        names = [f for f in CORE_ARCH_FIELDS if f not in ("n_kv_heads", "head_dim")]
+        return {tuple(int(getattr(a, f)[i]) for f in names) for i in np.flatnonzero(sel)}
+
+    assert keys(both, mla & (both.d_model > 1536)) <= keys(gqa, np.ones(len(gqa), dtype=bool))
+    for i in np.flatnonzero(mla)[:20]:
+        assert space_mod.geometry_label(both.row(int(i))).endswith(" MLA")  # and each row is a valid architecture
+
+
+def test_mla_lets_tp_reach_past_the_kv_heads():
+    """GQA with 8 KV heads caps tp at 8; MLA geometries have a K/V head per query head."""
+    space = load_space().replace_geometry(attention=("gqa", "mla"), d_model=(4096, 8192))
+    resolved = resolve_space(space, tp_domain_devices=768, compute_optimal_flops=1e23)
+    assert usable_tp(resolved, geometries(resolved)).tp == (1, 2, 4, 8, 16, 32, 64)
+
+
+@pytest.mark.parametrize("bad,key", [({"attention": ["gqa", "mha"]}, "attention"), ({"attention": []}, "attention"),
+                                     ({"mla": {"kv_lora_rank": 0}}, "mla.kv_lora_rank"),
+                                     ({"mla": {"qk_rope_head_dim": 63}}, "mla.qk_rope_head_dim"),
+                                     ({"mla": {"kv_rank": 512}}, "mla.kv_rank")])
+def test_a_bad_attention_entry_names_the_key(bad, key):
+    data = spec_to_dict(load_space())
+    data["geometry"].update(bad)
+    with pytest.raises(InputError, match=f"key 'geometry.{key}'"):
+        space_from_dict(data)
