@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,7 +30,7 @@ import numpy as np
 
 from mosaic.planner import law as lawmod
 from mosaic.planner.candidates import GeometryResults
-from mosaic.planner.problem import Problem, init_worker
+from mosaic.planner.problem import Problem, worker_pool
 
 AUTO_WORKERS_PAIRS = 20_000_000
 """(geometry x layout) pairs of a space above which `auto_workers` uses every core: below it a
@@ -94,9 +93,7 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
     i = 0
     pairs = 0
     bounded = 0
-    pool = (ProcessPoolExecutor(max_workers=workers, initializer=init_worker, initargs=(problem.evaluator,))
-            if workers > 1 else None)
-    try:
+    with worker_pool(problem, workers) as pool:
         while i < len(order):
             if lb_sorted[i] >= threshold:
                 break
@@ -119,9 +116,6 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
                 if within is not None:
                     threshold = max(threshold, float(finite.min()) + within)
             i = stop
-    finally:
-        if pool is not None:
-            pool.shutdown()
     res = GeometryResults.concat(collected) if collected else GeometryResults.empty()
     loss = np.concatenate(losses) if losses else np.zeros(0)
     if use_bounds and bounds_failed(problem, res):

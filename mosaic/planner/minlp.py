@@ -22,10 +22,10 @@ D_max", which makes the relaxation's bound the optimum: SCIP proves optimality a
 instead of branching over thousands of binaries with a bound that mixes one geometry's K with
 another's D_max (what timed out before).
 
-Presolve (`presolve_geometries`), exact as any MINLP presolve: an incumbent U is the best loss
-of the geometries with the smallest loss bound (`Problem.loss_lower_bound`); geometries whose
-bound is >= U, or whose layout search shows they cannot beat U (`PairEvaluator.run`'s floor),
-cannot be optimal and are left out of the model.
+Presolve (`presolve_geometries`), exact as any MINLP presolve: geometries are searched in
+chunks in increasing loss bound (`Problem.loss_lower_bound`), an incumbent U being the best loss
+found so far; geometries whose bound is > U, or whose layout search shows they cannot beat U
+(`PairEvaluator.run`'s floor), cannot be optimal and are left out of the model.
 
 The compute-optimal problem is the same model over the geometries with D <= C_model / F_g and
 no memory row. Solvers: `scip` (Pyomo writes the .nl file, pyscipopt reads and solves it),
@@ -49,7 +49,7 @@ import numpy as np
 from mosaic.planner import law as lawmod
 from mosaic.planner.candidates import GeometryResults
 from mosaic.planner.enumerate import Ranked, bounds_failed
-from mosaic.planner.problem import Problem
+from mosaic.planner.problem import Problem, worker_pool
 from perfmodel.errors import Param, SolverError
 
 D_SCALE = 1.0e12
@@ -59,8 +59,6 @@ LAYOUT_VARS = ("tp", "pp", "vpp", "ep", "mbs")
 GAP = 1e-9
 FEASTOL = 1e-9
 TIME_LIMIT_S = 300.0
-INCUMBENT_CHUNKS = 24
-"""Chunks with a feasible geometry, in loss-bound order, that make the presolve's incumbent."""
 SOLVERS = ("scip", "bonmin", "mindtpy")
 
 
@@ -321,34 +319,36 @@ def compute_model(problem: Problem, geometries: Optional[np.ndarray] = None) -> 
 
 
 def presolve_geometries(problem: Problem, subset: Optional[np.ndarray] = None,
-                        progress: Optional[Callable[[int], None]] = None) -> tuple[GeometryResults, dict[str, Any]]:
-    """The geometries that can be optimal, with their layout search (module doc): an incumbent from
-    the first INCUMBENT_CHUNKS chunks in loss-bound order that hold a feasible geometry (a primal
-    heuristic), then every geometry whose bound is below it, searched with the incumbent's floor."""
+                        progress: Optional[Callable[[int], None]] = None,
+                        workers: int = 1) -> tuple[GeometryResults, dict[str, Any]]:
+    """The geometries that can be optimal, with their layout search (module doc): chunks in
+    loss-bound order, each searched with the floor of the incumbent (the best loss found so far,
+    updated after each chunk), until the bound reaches the incumbent (over `workers` processes)."""
     index = np.arange(len(problem.geoms)) if subset is None else np.asarray(subset, dtype=np.int64)
     lb = problem.loss_lower_bound()[index]
-    order = index[np.argsort(lb, kind="stable")]
-    per_chunk = problem.chunk_geometries()
+    order = np.argsort(lb, kind="stable")
+    per_chunk = problem.chunk_geometries() * max(1, workers)
     incumbent = np.inf
-    start, found = 0, 0
-    while start < len(order) and found < INCUMBENT_CHUNKS and lb[np.argsort(lb, kind="stable")][start] < incumbent:
-        chunk = order[start:start + per_chunk]
-        res = problem.evaluate(chunk, progress, floor=problem.tokens_floor(incumbent, chunk))
-        res = res.take(np.flatnonzero(res.exact))
-        loss = lawmod.loss(problem.law, problem.geoms.archs.take(res.index), problem.tokens_in_budget(res.tokens_per_s))
-        if np.any(np.isfinite(loss)):
-            incumbent = min(incumbent, float(np.min(loss[np.isfinite(loss)])))
-            found += 1
-        start += per_chunk
-    keep = index[lb <= incumbent] if np.isfinite(incumbent) else index
-    res = problem.evaluate(keep, progress, floor=problem.tokens_floor(incumbent * (1 + 1e-12), keep))
-    if bounds_failed(problem, res):  # a bound is not valid for this model: every geometry, every layout
-        problem.drop_bounds()
-        keep = index
-        res = problem.evaluate(keep, progress)
+    parts, searched = [], 0
+    with worker_pool(problem, workers) as pool:
+        while searched < len(order) and lb[order[searched]] <= incumbent:
+            at = order[searched:searched + per_chunk]
+            chunk = index[at[lb[at] <= incumbent]]
+            res = problem.evaluate(chunk, progress, pool, floor=problem.tokens_floor(incumbent * (1 + 1e-12), chunk))
+            parts.append(res)
+            done = res.take(np.flatnonzero(res.exact))
+            loss = lawmod.loss(problem.law, problem.geoms.archs.take(done.index), problem.tokens_in_budget(done.tokens_per_s))
+            if np.any(np.isfinite(loss)):
+                incumbent = min(incumbent, float(np.min(loss[np.isfinite(loss)])))
+            searched += len(at)
+        res = GeometryResults.concat(parts) if parts else GeometryResults.empty()
+        kept = len(res.index)
+        if bounds_failed(problem, res):  # a bound is not valid for this model: every geometry, every layout
+            problem.drop_bounds()
+            res, kept = problem.evaluate(index, progress, pool), len(index)
     feasible = res.exact & (res.best_layout >= 0)
     report = {"presolve_incumbent_loss": incumbent if np.isfinite(incumbent) else None,
-              "presolve_bound_dropped": int(len(index) - len(keep)),
+              "presolve_bound_dropped": int(len(index) - kept),
               "presolve_search_dropped": int((~res.exact).sum()),
               "presolve_infeasible": int((res.exact & (res.best_layout < 0)).sum()),
               "geometries_in_model": int(feasible.sum())}
@@ -357,13 +357,14 @@ def presolve_geometries(problem: Problem, subset: Optional[np.ndarray] = None,
 
 def solve_cluster_optimal(problem: Problem, solver: str, top: int = 10,
                           progress: Optional[Callable[[int], None]] = None,
-                          time_limit_s: float = TIME_LIMIT_S) -> tuple[Ranked, dict[str, Any]]:
-    """MINLP optimum first, then the other geometries of the model's data ranked by loss."""
+                          time_limit_s: float = TIME_LIMIT_S, workers: int = 1) -> tuple[Ranked, dict[str, Any]]:
+    """MINLP optimum first, then the other geometries of the model's data ranked by loss (the data's
+    layout searches over `workers` processes)."""
     ok, why = solver_available(solver)
     if not ok:
         raise SolverError(Param("solver", solver), f": {why}; or use ", Param("solver", "enumerate"))
     t0 = time.perf_counter()
-    data, report = presolve_geometries(problem, progress=progress)
+    data, report = presolve_geometries(problem, progress=progress, workers=workers)
     report["data_seconds"] = time.perf_counter() - t0
     if len(data.index) == 0:  # nothing fits: the enumeration's memory minima name the relaxation
         empty = GeometryResults.empty()

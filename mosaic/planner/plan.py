@@ -295,7 +295,7 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
 
         limit = minlp.TIME_LIMIT_S if time_limit_s is None else float(time_limit_s)
         ranked, report = minlp.solve_cluster_optimal(problem, solver, top=top + 1, progress=progress,
-                                                     time_limit_s=limit)
+                                                     time_limit_s=limit, workers=workers)
         search.update(report)
         g, csol = minlp.solve_compute_optimal(problem, solver, limit)
         search["compute_optimal"] = {"status": csol.status, "gap": csol.gap, "solver_seconds": csol.seconds,

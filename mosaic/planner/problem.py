@@ -13,8 +13,9 @@ its cached per-geometry layout search (`Problem.evaluate`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -190,6 +191,19 @@ _WORKER: dict[str, PairEvaluator] = {}
 def init_worker(evaluator: PairEvaluator) -> None:
     """Process-pool initializer: each worker holds the problem's evaluator once."""
     _WORKER["evaluator"] = evaluator
+
+
+@contextlib.contextmanager
+def worker_pool(problem: Problem, workers: int) -> Iterator[Optional[ProcessPoolExecutor]]:
+    """A process pool of `workers` processes, each holding the problem's evaluator (None for one)."""
+    if workers <= 1:
+        yield None
+        return
+    pool = ProcessPoolExecutor(max_workers=workers, initializer=init_worker, initargs=(problem.evaluator,))
+    try:
+        yield pool
+    finally:
+        pool.shutdown()
 
 
 def _run_chunk(chunk: np.ndarray, floor: np.ndarray) -> tuple[GeometryResults, dict[str, int]]:

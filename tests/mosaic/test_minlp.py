@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mosaic.planner import build_problem
-from mosaic.planner.enumerate import rank_cluster_optimal, rank_compute_optimal
+from mosaic.planner.enumerate import auto_workers, rank_cluster_optimal, rank_compute_optimal
 from mosaic.planner.law import tokens_term
 from mosaic.planner.minlp import (
     D_SCALE,
@@ -59,10 +59,11 @@ def test_minlp_proves_the_enumeration_optimum_on_the_default_space(solver, clust
     exact enumeration's (objective within 1e-6 relative, the same geometry), status optimal."""
     _need(solver)
     minlp_problem = build_problem(cluster, devices=devices, days=days)
-    ranked, report = solve_cluster_optimal(minlp_problem, solver)
+    workers = auto_workers(minlp_problem)  # as `mosaic plan` searches (every core on these spaces)
+    ranked, report = solve_cluster_optimal(minlp_problem, solver, workers=workers)
     g, csol = solve_compute_optimal(minlp_problem, solver)
     reference = build_problem(cluster, devices=devices, days=days)  # its own search, no shared cache
-    best = rank_cluster_optimal(reference, top=1)
+    best = rank_cluster_optimal(reference, top=1, workers=workers)
     co = rank_compute_optimal(reference)
     assert report["status"] in ("optimal", "gaplimit") and report["gap"] <= 1e-6
     assert report["objective"] == pytest.approx(best.loss[0], rel=1e-6)
