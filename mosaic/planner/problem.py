@@ -161,10 +161,12 @@ class Problem:
             floors = [np.asarray([floor_of.get(int(g), 0.0) for g in c]) for c in chunks]
             if pool is not None and len(chunks) > 1:
                 parts = []
-                for part, counts in pool.map(_run_chunk, chunks, floors):
-                    parts.append(part)
-                    for key, value in counts.items():  # what the worker built and timed
-                        self.evaluator.counts[key] += value
+                ev = self.evaluator
+                for part, counts, violated in pool.map(_run_chunk, chunks, floors):
+                    parts.append(part)  # and what the worker built, timed and saw of the bound
+                    for key, value in counts.items():
+                        ev.counts[key] += value
+                    ev.bound_violated |= violated
                 if progress is not None:
                     progress(len(missing) * len(self.evaluator.grid))
             else:
@@ -206,12 +208,15 @@ def worker_pool(problem: Problem, workers: int) -> Iterator[Optional[ProcessPool
         pool.shutdown()
 
 
-def _run_chunk(chunk: np.ndarray, floor: np.ndarray) -> tuple[GeometryResults, dict[str, int]]:
-    """One chunk searched in a worker, with the pairs it built and timed (the parent's counts)."""
+def _run_chunk(chunk: np.ndarray, floor: np.ndarray) -> tuple[GeometryResults, dict[str, int], bool]:
+    """One chunk searched in a worker, with what the parent's evaluator records of it: the pairs
+    built and timed, and whether a timed pair beat its compute bound."""
     evaluator = _WORKER["evaluator"]
     before = dict(evaluator.counts)
+    evaluator.bound_violated = False
     part = evaluator.run(chunk, None, floor)
-    return part, {key: evaluator.counts[key] - before[key] for key in before}
+    counts = {key: evaluator.counts[key] - before[key] for key in before}
+    return part, counts, evaluator.bound_violated
 
 
 def make_problem(cluster: ClusterSpec, budget: Budget, space: SearchSpace, law: lawmod.Law, prune: bool = True,

@@ -136,6 +136,20 @@ def test_a_bound_that_fails_reruns_the_search_without_it(law, make_space, monkey
     np.testing.assert_allclose(ranked.loss[:3], reference.loss[:3], rtol=1e-12)
 
 
+def test_a_bound_that_fails_in_a_worker_process_reaches_the_parent(law, make_space, monkeypatch):
+    """With --workers the layout searches run in worker processes; a pair priced above its bound
+    there must still mark the parent's evaluator, which the search reads (bounds_failed)."""
+    from mosaic.planner import problem as problem_mod
+
+    monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 2000)  # several chunks, so the pool is used
+    real = ComputeBound.tokens_per_s
+    monkeypatch.setattr(ComputeBound, "tokens_per_s", lambda self, *a, **k: real(self, *a, **k) * 0.5)
+    p = build_problem("h100", devices=64, days=5, fit=law, space=_space(make_space))
+    with problem_mod.worker_pool(p, 2) as pool:  # forked: the workers see the halved bound
+        p.evaluate(np.arange(len(p.geoms)), pool=pool)
+    assert p.evaluator.bound_violated and p.evaluator.counts["timed"] > 0
+
+
 @pytest.mark.parametrize("cluster", ["gb200_nvl72", "b200", "ascend_superpod"])
 def test_overlap_dominance_keeps_the_fastest_row_of_every_switch_set(law, make_space, cluster):
     """Fused dispatchers' hidden EP seconds cost sm/(1 - sm) (perfmodel.stage.hidden_ep_cost), not
