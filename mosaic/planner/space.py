@@ -102,8 +102,9 @@ class GeometrySpace:
     tie_embeddings: bool = False
     attention: tuple[str, ...] = ("gqa",)
     """Attention kinds to search: gqa (n_kv_heads = kv_heads) and mla (multi-head latent attention
-    with the ranks of `mla`, where kv_lora_rank < d_model: n_kv_heads = n_heads, query/key heads head_dim + qk_rope_head_dim
-    wide, value heads head_dim wide, n_heads = d_model / head_dim as DeepSeek-V2-Lite's 16 x 128)."""
+    with the ranks of `mla`, where kv_lora_rank < d_model: n_kv_heads = n_heads, query/key heads
+    head_dim + qk_rope_head_dim wide, value heads head_dim wide, n_heads = d_model / head_dim as
+    DeepSeek-V2-Lite's 16 x 128)."""
     mla: MLARanks = field(default_factory=MLARanks)
     seq_len: IntList = (4096,)
     vocab_size: IntList = (131072,)
