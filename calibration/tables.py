@@ -202,7 +202,8 @@ def table_rows(rows: Iterable[Measurement], provenance: Provenance, accelerator:
                 excluded = (f"within twice the call's fixed cost ({fixed * 1e6:.3g} us): its bytes' time is not "
                             "resolved")
             row = {**common, "kernel": spec.kernel, "bytes_moved": _num(m.bytes),
-                   "gbps": _num(m.bytes / max(net_s, 1e-12) / 1e9), "bytes_convention": spec.convention,
+                   # a median at or below the fixed cost resolves no bandwidth (nan, kept out as above)
+                   "gbps": _num(m.bytes / net_s / 1e9 if net_s > 0 else math.nan), "bytes_convention": spec.convention,
                    "fixed_us": _num(fixed * 1e6) if fixed and m.phase != "fixed" else "", "excluded": excluded,
                    "note": f"fp32; {note}" + (f"; time net of the call's fixed cost, {fixed * 1e6:.4g} us (fixed_us)"
                                               if fixed and m.phase != "fixed" else ""),
