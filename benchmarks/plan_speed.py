@@ -67,6 +67,7 @@ def main() -> None:
                "search_s": s["seconds"], "considered": s["candidates_in_space"], "built": s["candidates"],
                "evaluated": s["timed"], "pruned": s["candidates_in_space"] - (s["timed"] or 0),
                "pruned_overlap": s["pruned_overlap_dominance"], "pruned_loss_bound": s["pruned_loss_bound"],
+               "pruned_layout_table_bound": s.get("pruned_layout_table_bound", 0),
                "pruned_after_building": s["pruned_after_building"], "geometries": s["geometries"],
                "searched_geometries": s["evaluated_geometries"], "under_target": min(walls) < TARGET_S,
                "loss": payload["predicted"]["loss"], "indistinguishable": payload["decision"].get("indistinguishable")}
@@ -74,7 +75,8 @@ def main() -> None:
         print(f"  {cluster:16s} {row['devices']:5d} devices: wall {row['wall_s']:.2f} s (ratio to target "
               f"{row['wall_s'] / TARGET_S:.2f}), search {row['search_s']:.2f} s; candidates considered "
               f"{row['considered']:,}, pruned {row['pruned']:,} (overlap {row['pruned_overlap']:,}, loss bound "
-              f"{row['pruned_loss_bound']:,}, after building {row['pruned_after_building']:,}), evaluated "
+              f"{row['pruned_loss_bound']:,}, layout-table bound {row['pruned_layout_table_bound']:,}, after building "
+              f"{row['pruned_after_building']:,}), evaluated "
               f"{row['evaluated']:,}; {row['searched_geometries']}/{row['geometries']} geometries searched")
 
     print("MINLP vs enumeration on the default spaces (20 days; b200 x16 for 2 days)")

@@ -58,7 +58,8 @@ def search_line(s: dict[str, Any]) -> str:
     if "candidates_in_space" in s:
         line += (f" = {s['candidates_in_space']:,} candidates; {s['timed']:,} timed, the rest pruned exactly "
                  f"(overlap rules and dominance {s['pruned_overlap_dominance']:,}, loss bound {s['pruned_loss_bound']:,} "
-                 f"in {s['pruned_geometries']:,} geometries, validity/memory/recompute/compute bound "
+                 f"in {s['pruned_geometries']:,} geometries, layout-table bound "
+                 f"{s.get('pruned_layout_table_bound', 0):,}, validity/memory/recompute/compute bound "
                  f"{s['pruned_after_building']:,})")
     if "status" in s:
         line += (f"; MINLP over {s.get('geometries_in_model', 0):,} geometries after presolve: status {s['status']}, "

@@ -62,6 +62,10 @@ class ComputeBound:
         n_s, n_t = len(self.shape_first), len(self.table_first)
         self._done = np.zeros((n_s, n_t), dtype=bool)
         self._store = {(b, e): np.zeros((n_s, n_t)) for b in BLOCKS for e in _ENTRIES}
+        reps = grid.take(self.table_first)
+        self._per_device = (np.asarray(reps.mbs, dtype=float) * self.devices
+                            / (np.asarray(reps.tp, dtype=float) * np.asarray(reps.cp, dtype=float)))
+        """mbs x devices / (tp x cp) of each table row."""
 
     def _fill(self, shape: np.ndarray, table: np.ndarray) -> None:
         """Block tables of the (shape, table-fields) cells not computed yet."""
@@ -108,11 +112,13 @@ class ComputeBound:
         slots = np.asarray(micro_batches(lays), dtype=float) + np.asarray(bubble_slots(lays), dtype=float)
         return self.straggler * slots * worst
 
-    def geometry_tokens_per_s(self, geometry: np.ndarray) -> np.ndarray:
-        """An upper bound of each geometry's tokens/s over every layout of the grid, without
-        building the pairs: the slower stage holds at least 1/pp of all blocks, and
-        m = gbs / (mbs x dp), so  tokens/s <= mbs x seq_len x devices / (tp x cp x straggler x C),
-        C = sum over all blocks of their fwd + bwd compute, maximised over the table fields."""
+    def table_tokens_per_s(self, geometry: np.ndarray) -> np.ndarray:
+        """An upper bound of tokens/s of each geometry under every layout of each table row, without
+        building the pairs, (n_geometries, n_table_rows): the slower stage holds at least 1/pp of
+        all blocks, and m = gbs / (mbs x dp), so
+          tokens/s <= mbs x seq_len x devices / (tp x cp x straggler x C),
+        C = sum over all blocks of their fwd + bwd compute at the row's table fields (recompute,
+        bubbles, communication and host dispatch only add)."""
         geometry = np.asarray(geometry, dtype=np.int64)
         n_t = len(self.table_first)
         shapes = np.unique(self.shape_of_geometry[geometry])
@@ -124,13 +130,15 @@ class ComputeBound:
                  "embedding": np.ones_like(layers), "head": np.ones_like(layers)}
         s = self.shape_of_geometry[geometry]
         total = sum(count[b][:, None] * self._store[(b, "compute")][s][:, :n_t] for b in BLOCKS)
-        reps = self.grid.take(self.table_first)
-        per_device = (np.asarray(reps.mbs, dtype=float) * self.devices
-                      / (np.asarray(reps.tp, dtype=float) * np.asarray(reps.cp, dtype=float)))
         seq = np.asarray(archs.seq_len, dtype=float)[:, None]
         with np.errstate(divide="ignore"):
-            bound = np.where(total > 0, seq * per_device[None, :] / (self.straggler * total), np.inf)
-        return bound.max(axis=1) if n_t else np.zeros(len(geometry))
+            return np.where(total > 0, seq * self._per_device[None, :] / (self.straggler * total), np.inf)
+
+    def geometry_tokens_per_s(self, geometry: np.ndarray) -> np.ndarray:
+        """An upper bound of each geometry's tokens/s over every layout of the grid: the largest
+        `table_tokens_per_s` of its row."""
+        bound = self.table_tokens_per_s(geometry)
+        return bound.max(axis=1) if bound.shape[1] else np.zeros(len(bound))
 
     def tokens_per_s(self, geometry: np.ndarray, layout: np.ndarray, archs: ArchBatch, lays: LayoutBatch,
                      step_s: Optional[np.ndarray] = None) -> np.ndarray:

@@ -15,12 +15,19 @@ pruned, exactly:
                       overlap switch (tested), so they are worked out once per set of rows
                       equal but for the switches (`PairEvaluator.rep_grid`); only timing
                       goes to each row
+  layout-table bound  tokens/s <= `bounds.ComputeBound.table_tokens_per_s` of the pair's block-table
+                      row (every layout with the same tp, cp, ep, etp, mbs, sequence parallel and
+                      precision): a pair it holds at the caller's floor is never built, before
+                      validity and memory (counted as bounded)
   memory pruning      memory per device from `perfmodel.memory.stage_memory` (the
                       formula `evaluate` uses, without the timing half): pairs above
                       usable HBM are infeasible and never timed. First its static part
                       (`perfmodel.memory.stage_static_memory`: independent of mbs,
                       recompute, sequence parallel, the switches and the dispatcher) on the
-                      distinct sharding keys, a lower bound that skips the full formula
+                      distinct sharding keys, a lower bound that skips the full formula;
+                      validity is checked where it fits (and, for a geometry with no valid pair
+                      that fits, on its other pairs by increasing static memory, until its
+                      smallest valid memory is known)
   recompute dominance a pair whose layout differs from a memory-feasible pair of the
                       same geometry only by more activation recompute (none <
                       selective < full) cannot be faster (recompute only adds work),
@@ -161,16 +168,19 @@ class GeometryResults:
     memory_bytes: np.ndarray
     min_memory_bytes: np.ndarray
     """Smallest memory per device over the geometry's valid layouts (inf: none valid); with
-    pruning a lower bound (the static part) where the full formula was skipped."""
+    pruning a lower bound (the static part) where the full formula was skipped, over the layouts
+    the layout-table bound left (all of them where no floor was given)."""
     min_memory_layout: np.ndarray
     n_valid: np.ndarray
-    """Pairs the validity rules accept, per geometry; of these:"""
+    """Pairs the validity rules accept, per geometry, of those checked (with pruning: where the
+    static memory fits, or the geometry has none that fits); of these:"""
     n_dominated: np.ndarray
     """... left out because a sibling layout with more overlap or less recompute is valid (and fits)"""
     n_memory_ok: np.ndarray
     """... within usable HBM (memory computed), not dominated"""
     n_bounded: np.ndarray
-    """... not timed: their compute bound could not beat the geometry's best (or its floor)"""
+    """Pairs not timed because their compute bound could not beat the geometry's best (or its
+    floor); those the layout-table bound held are counted unchecked, valid or not"""
     n_timed: np.ndarray
     """... timed by `perfmodel.evaluate`"""
     bound_ok: np.ndarray
@@ -263,10 +273,17 @@ class PairEvaluator:
                 self.valid_grid = dataclasses.replace(self.rep_grid.take(first), **plain)
                 self.valid_of = valid_of
                 """`valid_grid` row of each `rep_grid` row."""
+                self._valid_groups = ColumnGroups.of(valid_of, len(self.valid_grid))
                 self.layout_ok = layout_rules_ok(self.rep_grid)
                 """The layout-only rules of each `rep_grid` row (those that read the dispatch fields)."""
         self.width = len(self.valid_grid if self.valid_grid is not None else self.rep_grid)
         """Pairs one geometry builds for validity: what a chunk of geometries is sized by."""
+        self.rep_mult = np.bincount(self.rep_of, minlength=len(self.rep_grid)).astype(np.int64)
+        """Grid rows of each `rep_grid` row (its switch variants)."""
+        self._rep_rows = np.argsort(self.rep_of, kind="stable")
+        self._rep_start = np.cumsum(self.rep_mult) - self.rep_mult
+        self.rep_first_row = self._rep_rows[self._rep_start] if len(grid) else np.zeros(0, dtype=np.int64)
+        """The lowest grid row of each `rep_grid` row."""
         self.siblings = recompute_siblings(self.rep_grid)
         key_fields = [f for f in LAYOUT_FIELDS if f not in STATIC_FREE_FIELDS]
         first, inverse = row_groups(list(self.rep_grid.key_columns(key_fields).T))
@@ -274,28 +291,33 @@ class PairEvaluator:
         self.key_grid = dataclasses.replace(reps.take(first), gbs=np.asarray(reps.mbs)[first] * np.asarray(reps.dp)[first])
         self.key_of_layout = inverse
         """Row of `key_grid` of each `rep_grid` row."""
+        self._key_groups = ColumnGroups.of(inverse, len(first))
         self.bound = ComputeBound(archs, self.rep_grid, cluster, devices) if prune else None
-        self.counts = {"built": 0, "timed": 0}
-        """Pairs built and pairs timed by this evaluator's runs (in this process)."""
+        self.counts = {"built": 0, "held": 0, "timed": 0}
+        """Pairs of the geometries searched, of these held by the layout-table bound (never built),
+        and pairs timed, by this evaluator's runs (in this process)."""
         self.bound_violated = False
         """Set when a timed pair beat its compute bound (the search then reruns without it)."""
         self.max_mfu_seen = 0.0
 
-    def static_memory(self, geo_index: np.ndarray) -> np.ndarray:
+    def static_memory(self, geo_index: np.ndarray, wanted: Optional[np.ndarray] = None) -> np.ndarray:
         """Lower bound of memory per device for each (geometry, `rep_grid` row): the parts that do
         not depend on mbs, recompute, sequence parallel, gbs or the switches (weights, gradients,
         optimizer, FSDP buffers, framework), from `perfmodel.memory.stage_static_memory` on the distinct
-        layout keys."""
+        layout keys. `wanted` (n_g, n_rep): the pairs asked about (None: all; the others are inf)."""
         n_g, n_k = len(geo_index), len(self.key_grid)
-        g = np.repeat(geo_index, n_k)
-        k = np.tile(np.arange(n_k), n_g)
-        archs, lays = self.archs.take(g), self.key_grid.take(k)
-        static = np.zeros(n_g * n_k)
+        if wanted is None:
+            flat = np.arange(n_g * n_k)
+        else:
+            flat = np.flatnonzero(self._key_groups.any_of(wanted))
+        archs, lays = self.archs.take(geo_index[flat // n_k]), self.key_grid.take(flat % n_k)
+        part = np.zeros(len(flat))
         for stage in pipeline_stages(archs, lays):
             parts = stage_static_memory(archs, lays, self.cluster, stage.counts)
-            static = np.maximum(static, sum(parts.values()))
-        static = static.reshape(n_g, n_k)
-        return static[:, self.key_of_layout]
+            part = np.maximum(part, sum(parts.values()))
+        static = np.full(n_g * n_k, np.inf)
+        static[flat] = part
+        return static.reshape(n_g, n_k)[:, self.key_of_layout]
 
     def pairs(self, geo_index: np.ndarray, grid: Optional[LayoutBatch] = None
               ) -> tuple[ArchBatch, LayoutBatch, np.ndarray, np.ndarray]:
@@ -306,17 +328,62 @@ class PairEvaluator:
         archs, lays = self._grid_pairs(geo_index, flat, grid)
         return archs, lays, geo_index[flat // len(grid)], flat % len(grid)
 
-    def rep_valid(self, geo_index: np.ndarray) -> tuple[np.ndarray, Optional[tuple[ArchBatch, LayoutBatch]]]:
+    def rep_valid(self, geo_index: np.ndarray, wanted: Optional[np.ndarray] = None
+                  ) -> tuple[np.ndarray, Optional[tuple[ArchBatch, LayoutBatch]]]:
         """((geometry, `rep_grid` row) validity, (n_g, n_rep); the rep_grid pairs where they were
         built for it, else None): on `valid_grid` gathered with the layout-only rules where that
-        is smaller (tested equal to `valid_mask` on every pair)."""
+        is smaller (tested equal to `valid_mask` on every pair). `wanted` (n_g, n_rep): the pairs
+        asked about (None: all); the others are False."""
         n_g = len(geo_index)
+        if wanted is not None and bool(np.all(wanted)):
+            wanted = None
         if self.valid_grid is not None:
-            archs, lays, _, _ = self.pairs(geo_index, self.valid_grid)
-            valid = valid_mask(archs, lays, self.devices).reshape(n_g, -1)[:, self.valid_of]
-            return valid & self.layout_ok[None, :], None
-        archs, lays, _, _ = self.pairs(geo_index, self.rep_grid)
-        return valid_mask(archs, lays, self.devices).reshape(n_g, -1), (archs, lays)
+            n_v = len(self.valid_grid)
+            flat = None if wanted is None else np.flatnonzero(self._valid_groups.any_of(wanted))
+            valid_v = np.zeros(n_g * n_v, dtype=bool)
+            if flat is None:
+                archs, lays, _, _ = self.pairs(geo_index, self.valid_grid)
+                valid_v = valid_mask(archs, lays, self.devices)
+            elif len(flat):
+                valid_v[flat] = valid_mask(*self._grid_pairs(geo_index, flat, self.valid_grid), self.devices)
+            valid = valid_v.reshape(n_g, n_v)[:, self.valid_of] & self.layout_ok[None, :]
+            return (valid if wanted is None else valid & wanted), None
+        if wanted is None:
+            archs, lays, _, _ = self.pairs(geo_index, self.rep_grid)
+            return valid_mask(archs, lays, self.devices).reshape(n_g, -1), (archs, lays)
+        valid = np.zeros(wanted.size, dtype=bool)
+        flat = np.flatnonzero(wanted.ravel())
+        if len(flat):
+            valid[flat] = valid_mask(*self._grid_pairs(geo_index, flat, self.rep_grid), self.devices)
+        return valid.reshape(n_g, -1), None
+
+    def smallest_valid(self, geo_index: np.ndarray, memory: np.ndarray, first: int = 128) -> np.ndarray:
+        """Valid pairs among those of finite `memory` (n_g, n_rep), checked by increasing memory:
+        the `first` smallest of each geometry, then, where none of those is valid, the rest. Every
+        pair at the smallest memory a valid pair has is checked; pairs not checked are False."""
+        n_g, n_r = memory.shape
+        valid = np.zeros((n_g, n_r), dtype=bool)
+        if not n_r:
+            return valid
+        k = min(first, n_r)
+        head = np.argpartition(memory, k - 1, axis=1)[:, :k] if k < n_r else np.tile(np.arange(n_r), (n_g, 1))
+        cutoff = np.take_along_axis(memory, head, axis=1).max(axis=1)
+        ask = np.isfinite(memory) & (memory <= cutoff[:, None])  # ties at the cutoff go with it
+        valid |= self.rep_valid(geo_index, ask)[0]
+        found = np.where(valid, memory, np.inf).min(axis=1)
+        # the smallest valid memory is known where one was found below the cutoff's untried rest
+        more = np.isfinite(memory) & ~ask & ~(found[:, None] <= memory)
+        if np.any(more):
+            valid |= self.rep_valid(geo_index, more)[0]
+        return valid
+
+    def grid_pairs_of(self, g: np.ndarray, r: np.ndarray, n_l: int) -> np.ndarray:
+        """Flat positions (geometry-major, `n_l` grid rows per geometry) of every grid row of
+        `rep_grid` row r[k] for geometry position g[k]."""
+        m = self.rep_mult[r]
+        pair = np.repeat(np.arange(len(r)), m)
+        within = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+        return np.asarray(g, dtype=np.int64)[pair] * n_l + self._rep_rows[self._rep_start[r][pair] + within]
 
     def _grid_pairs(self, geo_index: np.ndarray, flat: np.ndarray, grid: Optional[LayoutBatch] = None
                     ) -> tuple[ArchBatch, LayoutBatch]:
@@ -327,6 +394,26 @@ class PairEvaluator:
         archs = self.archs.take(geo_index[flat // n_l])
         lays = grid.take(flat % n_l)
         return archs, dataclasses.replace(lays, gbs=gbs_holding_tokens(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
+
+    def _screen(self, geo_index: np.ndarray, floor_g: np.ndarray) -> tuple[
+            np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Optional[tuple[ArchBatch, LayoutBatch]]]:
+        """The (geometry, `rep_grid` row) pairs worth building, (n_g, n_rep) each: the layout-table
+        bound, the pairs it leaves above the floor (alive), their static memory and whether it
+        fits, and validity where it fits (and, for a geometry with no valid pair that fits, on its
+        other alive pairs by increasing static memory until its smallest valid one is known); with
+        the rep_grid pairs where `rep_valid` built them."""
+        n_g, n_r = len(geo_index), len(self.rep_grid)
+        table_ub = (self.bound.table_tokens_per_s(geo_index)[:, self.bound.table_of_layout]
+                    if self.bound is not None else np.full((n_g, n_r), np.inf))
+        alive = table_ub > floor_g[:, None]
+        static = self.static_memory(geo_index, alive)
+        static_fits = alive & (static <= self.hbm)
+        valid, built = self.rep_valid(geo_index, static_fits)
+        none = ~np.any(valid, axis=1)
+        if np.any(none):
+            valid |= self.smallest_valid(geo_index, np.where(alive & ~static_fits & none[:, None], static, np.inf))
+            built = None
+        return table_ub, alive, static, static_fits, valid, built
 
     def run(self, geo_index: np.ndarray, progress: Optional[ProgressFn] = None,
             floor: Optional[np.ndarray] = None) -> GeometryResults:
@@ -362,7 +449,7 @@ class PairEvaluator:
             results.append((idx, res))
 
         if self.prune:
-            valid_r, built = self.rep_valid(geo_index)
+            table_ub, alive, static, static_fits, valid_r, built = self._screen(geo_index, floor_g)
 
             def rep_pairs(flat: np.ndarray) -> tuple[ArchBatch, LayoutBatch]:
                 if built is None:
@@ -371,16 +458,20 @@ class PairEvaluator:
 
             memory_r = np.full(n_g * n_r, np.inf)
             dominated_r = np.zeros_like(valid_r)
-            static = self.static_memory(geo_index)
-            candidate = valid_r & (static <= self.hbm)
+            candidate = valid_r & static_fits
             ub = np.zeros(n_g * n_r)
             c_idx = np.flatnonzero(candidate.ravel())
             if len(c_idx) and self.bound is None:
                 ub[c_idx] = np.inf
             elif len(c_idx):
-                ub[c_idx] = self.bound.tokens_per_s(geo_index[c_idx // n_r], c_idx % n_r, *rep_pairs(c_idx))
+                ub[c_idx] = np.minimum(self.bound.tokens_per_s(geo_index[c_idx // n_r], c_idx % n_r, *rep_pairs(c_idx)),
+                                       table_ub.ravel()[c_idx])
             ub_r = ub.reshape(n_g, n_r)
             above = candidate & (ub_r > floor_g[:, None])
+            exact &= np.all(alive, axis=1)  # provisional, as for the bounded pairs below
+            held = _weighted_count(~alive, self.rep_mult)
+            stats["bounded"] += held
+            self.counts["held"] += int(held.sum())
             fits_r = np.zeros_like(valid_r)
             rec = np.asarray(self.rep_grid.recompute)
             for level in range(len(RECOMPUTE_MODES)):
@@ -396,32 +487,46 @@ class PairEvaluator:
                 dominated_r[:, has] |= fits_r[:, sib[has]]
             skipped = valid_r.ravel() & ~np.isfinite(memory_r)
             memory_r[skipped] = static.ravel()[skipped]  # a lower bound where the full formula was skipped
-            # to the grid's rows: every switch variant of a row shares its validity, memory and bound
-            rep = self.rep_of
-            valid_m, fits, dominated = valid_r[:, rep], fits_r[:, rep], dominated_r[:, rep]
-            ub_m, mem_m = ub_r[:, rep], memory_r.reshape(n_g, n_r)[:, rep]
-            candidate_m, above_m = candidate[:, rep], above[:, rep]
-            exact &= ~np.any(candidate_m & ~above_m, axis=1)  # provisional: restored below where the best beats the floor
-            stats["bounded"] += (candidate_m & ~above_m).sum(axis=1)
-            todo = fits & ~dominated
-            stats["dominated"] += (valid_m & dominated).sum(axis=1)
-            # time the switch set with the highest bound first, then every row whose bound beats the best found
-            masked = np.where(todo, ub_m, -np.inf)
-            first = np.argmax(masked, axis=1)
-            has = np.isfinite(masked[np.arange(n_g), first])
-            timed = np.zeros_like(valid_m)
-            timed[np.flatnonzero(has)] = todo[np.flatnonzero(has)] & (rep[None, :] == rep[first[has]][:, None])
-            time_pairs(np.flatnonzero(timed.ravel()))
+            # to the grid's rows only where timed: every switch variant of a row shares its
+            # validity, memory and bound, so the counts weigh each rep_grid row by its variants
+            mult = self.rep_mult
+            memory_rm = memory_r.reshape(n_g, n_r)
+            bounded_r = candidate & ~above
+            exact &= ~np.any(bounded_r, axis=1)  # provisional: restored below where the best beats the floor
+            todo_r = fits_r & ~dominated_r
+            stats["bounded"] += _weighted_count(bounded_r, mult)
+            stats["dominated"] += _weighted_count(valid_r & dominated_r, mult)
+            # time the switch set with the highest bound first, then every set whose bound beats the best found
+            masked = np.where(todo_r, ub_r, -np.inf)
+            top_ub = masked.max(axis=1) if n_r else np.full(n_g, -np.inf)
+            has = np.isfinite(top_ub)
+            ties = np.where(masked == top_ub[:, None], self.rep_first_row[None, :], n_l)
+            first = np.argmin(ties, axis=1)  # the lowest grid row among the highest bounds
+            g_first = np.flatnonzero(has)
+            time_pairs(self.grid_pairs_of(g_first, first[g_first], n_l))
             best = tokens.reshape(n_g, n_l).max(axis=1)
-            rest = todo & ~timed & (ub_m > best[:, None])
-            time_pairs(np.flatnonzero(rest.ravel()))
-            timed |= rest
-            stats["bounded"] += (todo & ~timed).sum(axis=1)
-            beat = (tokens > ub_m.ravel() * (1.0 + 1e-9)).reshape(n_g, n_l) & timed
-            bound_ok = ~np.any(beat, axis=1)
+            rest = todo_r & (ub_r > best[:, None])
+            rest[g_first, first[g_first]] = False
+            g_rest, r_rest = np.nonzero(rest)
+            time_pairs(self.grid_pairs_of(g_rest, r_rest, n_l))
+            timed_r = rest
+            timed_r[g_first, first[g_first]] = True
+            stats["bounded"] += _weighted_count(todo_r & ~timed_r, mult)
+            bound_ok = np.ones(n_g, dtype=bool)
+            for idx, _ in results:
+                g_of, r_of = idx // n_l, self.rep_of[idx % n_l]
+                beat = tokens[idx] > ub_r[g_of, r_of] * (1.0 + 1e-9)
+                bound_ok[g_of[beat]] = False
             self.bound_violated |= not bool(np.all(bound_ok))
             best = tokens.reshape(n_g, n_l).max(axis=1)
             exact |= best > floor_g
+            n_valid, n_memory_ok = _weighted_count(valid_r, mult), _weighted_count(fits_r, mult)
+            min_mem = memory_rm.min(axis=1) if n_r else np.full(n_g, np.inf)
+            ties = np.where(memory_rm == min_mem[:, None], self.rep_first_row[None, :], n_l)
+            min_mem_l = ties.min(axis=1) if n_r else np.zeros(n_g, dtype=np.int64)  # the lowest grid row at the minimum
+
+            def memory_at(g_rows: np.ndarray, layouts: np.ndarray) -> np.ndarray:
+                return memory_rm[g_rows, self.rep_of[layouts]]
         else:
             archs, lays, _, _ = self.pairs(geo_index)
             valid = valid_mask(archs, lays, self.devices)
@@ -432,6 +537,12 @@ class PairEvaluator:
             mem_m = memory.reshape(n_g, n_l)
             fits = valid_m & (mem_m <= self.hbm)
             time_pairs(v_idx)
+            n_valid, n_memory_ok = valid_m.sum(axis=1), fits.sum(axis=1)
+            min_mem_l = np.argmin(mem_m, axis=1)
+            min_mem = mem_m[np.arange(n_g), min_mem_l]
+
+            def memory_at(g_rows: np.ndarray, layouts: np.ndarray) -> np.ndarray:
+                return mem_m[g_rows, layouts]
         if progress is not None:
             progress(n_g * n_l)
         tok_m = tokens.reshape(n_g, n_l)
@@ -440,7 +551,6 @@ class PairEvaluator:
         has_best = tok_m[rows, best] > 0
         best_layout = np.where(has_best, best, -1)
         flat_best = rows * n_l + best
-        min_mem_l = np.argmin(mem_m, axis=1)
         evaluation_row = np.full(n_g, -1, dtype=np.int64)
         evaluations = None
         if results and np.any(has_best):
@@ -459,12 +569,12 @@ class PairEvaluator:
             tokens_per_s=np.where(has_best, tokens[flat_best], 0.0),
             mfu=np.where(has_best, mfu[flat_best], 0.0),
             step_time_s=np.where(has_best, step[flat_best], np.inf),
-            memory_bytes=np.where(has_best, mem_m[rows, best], np.inf),
-            min_memory_bytes=mem_m[rows, min_mem_l],
-            min_memory_layout=np.where(np.isfinite(mem_m[rows, min_mem_l]), min_mem_l, -1),
-            n_valid=valid_m.sum(axis=1),
+            memory_bytes=np.where(has_best, memory_at(rows, best), np.inf),
+            min_memory_bytes=min_mem,
+            min_memory_layout=np.where(np.isfinite(min_mem), min_mem_l, -1),
+            n_valid=n_valid,
             n_dominated=stats["dominated"],
-            n_memory_ok=fits.sum(axis=1),
+            n_memory_ok=n_memory_ok,
             n_bounded=stats["bounded"],
             n_timed=_count_timed(results, n_g, n_l),
             bound_ok=bound_ok,
@@ -477,6 +587,37 @@ class PairEvaluator:
         """The resolved ParallelLayout of grid row `layout_index` with its gbs."""
         one = self.grid.take(np.asarray([int(layout_index)]))
         return dataclasses.replace(one, gbs=np.asarray([int(gbs)])).row(0)
+
+
+def _weighted_count(mask: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """sum over columns j of mask[:, j] x weight[j], per row (elementwise: a BLAS product would
+    start threads that contend with the search's worker processes)."""
+    return np.where(mask, weight[None, :], 0).sum(axis=1)
+
+
+@dataclass(frozen=True)
+class ColumnGroups:
+    """Columns grouped by a label (group[j] of column j, n_groups labels), sorted once so that
+    `any_of` is one reduceat."""
+
+    order: np.ndarray
+    starts: np.ndarray
+    labels: np.ndarray
+    n_groups: int
+
+    @staticmethod
+    def of(group: np.ndarray, n_groups: int) -> ColumnGroups:
+        order = np.argsort(group, kind="stable")
+        keys = np.asarray(group)[order]
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, dtype=np.int64)
+        return ColumnGroups(order, starts, keys[starts], int(n_groups))
+
+    def any_of(self, mask: np.ndarray) -> np.ndarray:
+        """(n_rows, n_groups): whether any column of each group is set in `mask` (n_rows, n_columns)."""
+        out = np.zeros((mask.shape[0], self.n_groups), dtype=bool)
+        if len(self.order):
+            out[:, self.labels] = np.logical_or.reduceat(mask[:, self.order], self.starts, axis=1)
+        return out
 
 
 def _count_timed(results: list[tuple[np.ndarray, Any]], n_g: int, n_l: int) -> np.ndarray:

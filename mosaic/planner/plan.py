@@ -243,18 +243,20 @@ def infeasible_error(problem: Problem, ranked: Ranked) -> InfeasibleError:
 def search_counts(problem: Problem) -> dict[str, Any]:
     """What the searches of this problem considered, pruned and evaluated: candidates = geometry x
     layout pairs of the space; pruned by overlap dominance (layouts dropped from the grid), by the
-    loss bound (geometries whose pairs were never built), after building (validity, memory,
-    recompute dominance, the compute bound); timed by `perfmodel.evaluate`."""
+    loss bound (geometries whose pairs were never built), by the layout-table bound (pairs of the
+    geometries searched that were never built), after building (validity, memory, recompute
+    dominance, the pair's compute bound); timed by `perfmodel.evaluate`."""
     ev = problem.evaluator
     grid = len(ev.grid)
     built = ev.counts["built"]
     timed = ev.counts["timed"]  # worker processes' counts included (problem.evaluate)
+    held = ev.counts["held"]
     searched = {g for g in problem._cache}
     return {"evaluated_geometries": len(searched), "pruned_geometries": len(problem.geoms) - len(searched),
             "candidates": built, "candidates_in_space": len(problem.geoms) * ev.space_layouts,
             "pruned_overlap_dominance": len(problem.geoms) * (ev.space_layouts - grid),
             "pruned_loss_bound": len(problem.geoms) * grid - built,
-            "timed": timed, "pruned_after_building": built - timed}
+            "pruned_layout_table_bound": held, "timed": timed, "pruned_after_building": built - held - timed}
 
 
 def _put_first(ranked: Ranked, g: int) -> Ranked:

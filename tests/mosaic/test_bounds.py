@@ -43,6 +43,13 @@ def test_compute_bound_holds_on_every_valid_pair(law, make_space, cluster, devic
     per_geometry[idx] = bound.geometry_tokens_per_s(idx)
     assert np.all(ub <= per_geometry[g[v]] * (1 + 1e-12))
     assert np.median(ub / res.tokens_per_s) < 3.0  # and it is not vacuous
+    # the layout-table bound (the search cuts pairs by it before building them) holds on every pair
+    table = np.zeros((len(p.geoms), len(bound.table_first)))
+    table[idx] = bound.table_tokens_per_s(idx)
+    per_pair = table[g[v], bound.table_of_layout[lay_i[v]]]
+    assert np.all(res.tokens_per_s <= per_pair * (1 + 1e-12))
+    np.testing.assert_allclose(per_geometry[idx], table[idx].max(axis=1), rtol=0)
+    assert np.mean(per_pair < per_geometry[g[v]] * (1 - 1e-9)) > 0.3  # tighter than the geometry's
 
 
 def test_block_tables_do_not_read_the_layer_counts(law, make_space):
@@ -219,3 +226,29 @@ def test_validity_per_dispatch_set_is_the_validity_of_every_row(law, make_space)
     direct = valid_mask(archs, lays, 64).reshape(len(p.geoms), -1)
     assert direct.any() and (~direct).any()
     np.testing.assert_array_equal(planner, direct)
+
+
+def test_validity_asked_on_some_pairs_is_the_validity_of_those_pairs(law, make_space):
+    """The search checks validity only where the static memory fits (`rep_valid(wanted)`), and for a
+    geometry with no valid pair that fits, by increasing static memory until its smallest valid
+    one is found (`smallest_valid`): equal to the full check on the pairs asked, and the smallest
+    valid memory is the full check's."""
+    space = _space(make_space, ep=(1, 8), etp=(1, 2), dispatcher=("alltoall", "deepep"))
+    p = build_problem("gb200_nvl72", devices=64, days=5, fit=law, space=space)
+    ev = p.evaluator
+    idx = np.arange(len(p.geoms))
+    full, _ = ev.rep_valid(idx)
+    rng = np.random.default_rng(0)
+    wanted = rng.random(full.shape) < 0.3
+    part, _ = ev.rep_valid(idx, wanted)
+    np.testing.assert_array_equal(part, full & wanted)
+    static = ev.static_memory(idx)
+    keys = rng.random(full.shape) < 0.5
+    np.testing.assert_array_equal(np.isfinite(ev.static_memory(idx, keys)) | ~keys, np.ones_like(keys))
+    np.testing.assert_array_equal(np.where(keys, ev.static_memory(idx, keys), 0), np.where(keys, static, 0))
+    truth = np.where(full, static, np.inf).min(axis=1)
+    for first in (1, 8, 128):
+        found = ev.smallest_valid(idx, static, first=first)
+        assert not np.any(found & ~full)
+        np.testing.assert_array_equal(np.where(found, static, np.inf).min(axis=1), truth)
+    assert np.isfinite(truth).any() and (np.sum(ev.smallest_valid(idx, static, first=8)) < np.sum(full))
