@@ -298,7 +298,6 @@ class PairEvaluator:
         and pairs timed, by this evaluator's runs (in this process)."""
         self.bound_violated = False
         """Set when a timed pair beat its compute bound (the search then reruns without it)."""
-        self.max_mfu_seen = 0.0
 
     def static_memory(self, geo_index: np.ndarray, wanted: Optional[np.ndarray] = None) -> np.ndarray:
         """Lower bound of memory per device for each (geometry, `rep_grid` row): the parts that do
@@ -444,8 +443,6 @@ class PairEvaluator:
             mfu[idx] = np.where(ok, res.mfu, 0.0)
             step[idx] = np.where(ok, res.step_time_s, np.inf)
             gbs[idx] = np.asarray(lays.gbs)
-            if np.any(ok):
-                self.max_mfu_seen = max(self.max_mfu_seen, float(np.max(res.mfu[ok])))
             results.append((idx, res))
 
         if self.prune:

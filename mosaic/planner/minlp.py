@@ -22,9 +22,10 @@ D_max", which makes the relaxation's bound the optimum: SCIP proves optimality a
 instead of branching over thousands of binaries with a bound that mixes one geometry's K with
 another's D_max (what timed out before).
 
-Presolve (`presolve_geometries`), exact as any MINLP presolve: geometries are searched in
-chunks in increasing loss bound (`Problem.loss_lower_bound`), an incumbent U being the best loss
-found so far; geometries whose bound is > U, or whose layout search shows they cannot beat U
+Presolve (`presolve_geometries`), exact as any MINLP presolve: enumeration's branch and bound
+for the best geometry (`enumerate.rank_cluster_optimal` with top 1): geometries in increasing
+loss bound (`Problem.loss_lower_bound`), an incumbent U being the best loss found so far;
+geometries whose bound reaches U + TIE_NATS, or whose layout search shows they cannot reach it
 (`PairEvaluator.run`'s floor), cannot be optimal and are left out of the model.
 
 The compute-optimal problem is the same model over the geometries with D <= C_model / F_g and
@@ -48,8 +49,8 @@ import numpy as np
 
 from mosaic.planner import law as lawmod
 from mosaic.planner.candidates import GeometryResults
-from mosaic.planner.enumerate import Ranked, bounds_failed
-from mosaic.planner.problem import Problem, worker_pool
+from mosaic.planner.enumerate import Ranked, rank_cluster_optimal
+from mosaic.planner.problem import Problem
 from perfmodel.errors import Param, SolverError
 
 D_SCALE = 1.0e12
@@ -318,39 +319,24 @@ def compute_model(problem: Problem, geometries: Optional[np.ndarray] = None) -> 
     return build_compute_model(term.constant, term.coef, term.exponent, d_max, _values(problem, index, None)), index
 
 
+TIE_NATS = 1e-9
+"""Losses this close to the presolve's incumbent stay in the model (a tie may be the optimum)."""
+
+
 def presolve_geometries(problem: Problem, subset: Optional[np.ndarray] = None,
                         progress: Optional[Callable[[int], None]] = None,
                         workers: int = 1) -> tuple[GeometryResults, dict[str, Any]]:
-    """The geometries that can be optimal, with their layout search (module doc): chunks in
-    loss-bound order, each searched with the floor of the incumbent (the best loss found so far,
-    updated after each chunk), until the bound reaches the incumbent (over `workers` processes)."""
-    index = np.arange(len(problem.geoms)) if subset is None else np.asarray(subset, dtype=np.int64)
-    lb = problem.loss_lower_bound()[index]
-    order = np.argsort(lb, kind="stable")
-    per_chunk = problem.chunk_geometries() * max(1, workers)
-    incumbent = np.inf
-    parts, searched = [], 0
-    with worker_pool(problem, workers) as pool:
-        while searched < len(order) and lb[order[searched]] <= incumbent:
-            at = order[searched:searched + per_chunk]
-            chunk = index[at[lb[at] <= incumbent]]
-            res = problem.evaluate(chunk, progress, pool, floor=problem.tokens_floor(incumbent * (1 + 1e-12), chunk))
-            parts.append(res)
-            done = res.take(np.flatnonzero(res.exact))
-            loss = lawmod.loss(problem.law, problem.geoms.archs.take(done.index), problem.tokens_in_budget(done.tokens_per_s))
-            if np.any(np.isfinite(loss)):
-                incumbent = min(incumbent, float(np.min(loss[np.isfinite(loss)])))
-            searched += len(at)
-        res = GeometryResults.concat(parts) if parts else GeometryResults.empty()
-        kept = len(res.index)
-        if bounds_failed(problem, res):  # a bound is not valid for this model: every geometry, every layout
-            problem.drop_bounds()
-            res, kept = problem.evaluate(index, progress, pool), len(index)
-    feasible = res.exact & (res.best_layout >= 0)
-    report = {"presolve_incumbent_loss": incumbent if np.isfinite(incumbent) else None,
-              "presolve_bound_dropped": int(len(index) - kept),
-              "presolve_search_dropped": int((~res.exact).sum()),
-              "presolve_infeasible": int((res.exact & (res.best_layout < 0)).sum()),
+    """The geometries that can be optimal, with their layout search (module doc): enumeration's
+    branch and bound for the best geometry (`enumerate.rank_cluster_optimal`, top 1, keeping the
+    geometries within TIE_NATS of it), over `workers` processes; those with a feasible layout."""
+    ranked = rank_cluster_optimal(problem, top=1, subset=subset, progress=progress, workers=workers, within=TIE_NATS)
+    res = ranked.results if ranked.results is not None else GeometryResults.empty()
+    feasible = np.asarray(res.best_layout) >= 0
+    finite = ranked.loss[np.isfinite(ranked.loss)]
+    report = {"presolve_incumbent_loss": float(finite.min()) if len(finite) else None,
+              "presolve_bound_dropped": int(ranked.pruned_geometries - ranked.bounded_geometries),
+              "presolve_search_dropped": int(ranked.bounded_geometries),
+              "presolve_infeasible": int((~feasible).sum()),
               "geometries_in_model": int(feasible.sum())}
     return res.take(np.flatnonzero(feasible)), report
 
@@ -391,5 +377,5 @@ def solve_compute_optimal(problem: Problem, solver: str, time_limit_s: float = T
 
 
 __all__ = ["D_SCALE", "SOLVERS", "Solution", "build_cluster_model", "build_compute_model", "cluster_model",
-           "compute_model", "presolve_geometries", "solve_cluster_optimal", "solve_compute_optimal", "solve_model",
+           "compute_model", "TIE_NATS", "presolve_geometries", "solve_cluster_optimal", "solve_compute_optimal", "solve_model",
            "solver_available"]

@@ -168,7 +168,7 @@ class Problem:
                         ev.counts[key] += value
                     ev.bound_violated |= violated
                 if progress is not None:
-                    progress(len(missing) * len(self.evaluator.grid))
+                    progress(len(missing) * len(ev.grid))
             else:
                 parts = [self.evaluator.run(c, progress, f) for c, f in zip(chunks, floors)]
             for part in parts:
