@@ -134,6 +134,14 @@ class ComputeBound:
         with np.errstate(divide="ignore"):
             return np.where(total > 0, seq * self._per_device[None, :] / (self.straggler * total), np.inf)
 
+    @staticmethod
+    def pipeline_share(lays: LayoutBatch) -> np.ndarray:
+        """The factor by which a layout's pipeline lowers `table_tokens_per_s` (gbs filled): the
+        step holds m + (pp - 1) / vpp slots of at least C / pp each, so
+          tokens/s <= table bound x (gbs / (mbs x dp)) / (m + (pp - 1) / vpp)."""
+        per_pipeline = np.asarray(lays.gbs, dtype=float) / (np.asarray(lays.mbs, dtype=float) * np.asarray(lays.dp, dtype=float))
+        return per_pipeline / (np.asarray(micro_batches(lays), dtype=float) + np.asarray(bubble_slots(lays), dtype=float))
+
     def geometry_tokens_per_s(self, geometry: np.ndarray) -> np.ndarray:
         """An upper bound of each geometry's tokens/s over every layout of the grid: the largest
         `table_tokens_per_s` of its row."""

@@ -17,8 +17,9 @@ pruned, exactly:
                       goes to each row
   layout-table bound  tokens/s <= `bounds.ComputeBound.table_tokens_per_s` of the pair's block-table
                       row (every layout with the same tp, cp, ep, etp, mbs, sequence parallel and
-                      precision): a pair it holds at the caller's floor is never built, before
-                      validity and memory (counted as bounded)
+                      precision) x its pipeline share (`ComputeBound.pipeline_share`: m of the
+                      m + (pp-1)/vpp slots): a pair it holds at the caller's floor is never
+                      built, before validity and memory (counted as bounded)
   memory pruning      memory per device from `perfmodel.memory.stage_memory` (the
                       formula `evaluate` uses, without the timing half): pairs above
                       usable HBM are infeasible and never timed. First its static part
@@ -215,7 +216,10 @@ class GeometryResults:
 
     @staticmethod
     def empty() -> GeometryResults:
-        return GeometryResults(**{name: np.zeros(0, dtype=bool if name in ("exact", "bound_ok") else float) for name in _ARRAY_FIELDS},
+        ints = ("index", "best_layout", "best_gbs", "min_memory_layout", "n_valid", "n_dominated", "n_memory_ok",
+                "n_bounded", "n_timed")
+        return GeometryResults(**{name: np.zeros(0, dtype=bool if name in ("exact", "bound_ok") else
+                                             np.int64 if name in ints else float) for name in _ARRAY_FIELDS},
                                evaluation_row=np.zeros(0, dtype=np.int64))
 
     def take(self, index: np.ndarray) -> GeometryResults:
@@ -293,6 +297,7 @@ class PairEvaluator:
         """Row of `key_grid` of each `rep_grid` row."""
         self._key_groups = ColumnGroups.of(inverse, len(first))
         self.bound = ComputeBound(archs, self.rep_grid, cluster, devices) if prune else None
+        self._share: dict[int, np.ndarray] = {}
         self.counts = {"built": 0, "held": 0, "timed": 0}
         """Pairs of the geometries searched, of these held by the layout-table bound (never built),
         and pairs timed, by this evaluator's runs (in this process)."""
@@ -309,14 +314,31 @@ class PairEvaluator:
             flat = np.arange(n_g * n_k)
         else:
             flat = np.flatnonzero(self._key_groups.any_of(wanted))
-        archs, lays = self.archs.take(geo_index[flat // n_k]), self.key_grid.take(flat % n_k)
-        part = np.zeros(len(flat))
-        for stage in pipeline_stages(archs, lays):
-            parts = stage_static_memory(archs, lays, self.cluster, stage.counts)
-            part = np.maximum(part, sum(parts.values()))
         static = np.full(n_g * n_k, np.inf)
-        static[flat] = part
+        static[flat] = self._key_static(geo_index[flat // n_k], flat % n_k)
         return static.reshape(n_g, n_k)[:, self.key_of_layout]
+
+    def likely_fits(self, geo_index: np.ndarray, keys: int = 4) -> np.ndarray:
+        """Whether each geometry's static memory fits at one of the `keys` layout keys of least
+        static memory for the first geometry (the most sharded): a cheap guess at feasibility that
+        orders work (the search's first threshold), never a pruning."""
+        geo_index = np.asarray(geo_index, dtype=np.int64)
+        n_k = len(self.key_grid)
+        if not len(geo_index) or not n_k:
+            return np.zeros(len(geo_index), dtype=bool)
+        first = self._key_static(np.zeros(n_k, dtype=np.int64) + geo_index[0], np.arange(n_k))
+        pick = np.argsort(first, kind="stable")[:keys]
+        g = np.repeat(geo_index, len(pick))
+        static = self._key_static(g, np.tile(pick, len(geo_index))).reshape(len(geo_index), -1)
+        return static.min(axis=1) <= self.hbm
+
+    def _key_static(self, geometry: np.ndarray, key: np.ndarray) -> np.ndarray:
+        """Static memory per device of (geometry, `key_grid` row) pairs (the larger stage)."""
+        archs, lays = self.archs.take(geometry), self.key_grid.take(key)
+        part = np.zeros(len(geometry))
+        for stage in pipeline_stages(archs, lays):
+            part = np.maximum(part, sum(stage_static_memory(archs, lays, self.cluster, stage.counts).values()))
+        return part
 
     def pairs(self, geo_index: np.ndarray, grid: Optional[LayoutBatch] = None
               ) -> tuple[ArchBatch, LayoutBatch, np.ndarray, np.ndarray]:
@@ -394,6 +416,19 @@ class PairEvaluator:
         lays = grid.take(flat % n_l)
         return archs, dataclasses.replace(lays, gbs=gbs_holding_tokens(lays.mbs, lays.dp, archs.seq_len, self.gbs_tokens))
 
+    def _pipeline_share(self, geo_index: np.ndarray) -> np.ndarray:
+        """`ComputeBound.pipeline_share` of each (geometry, `rep_grid` row), (n_g, n_rep): it reads
+        the layout and, through gbs, the geometry's sequence length (cached per length)."""
+        seq = np.asarray(self.archs.seq_len)[geo_index]
+        out = np.empty((len(geo_index), len(self.rep_grid)))
+        for value in np.unique(seq):
+            if int(value) not in self._share:
+                lays = dataclasses.replace(self.rep_grid, gbs=gbs_holding_tokens(
+                    self.rep_grid.mbs, self.rep_grid.dp, np.full(len(self.rep_grid), value), self.gbs_tokens))
+                self._share[int(value)] = ComputeBound.pipeline_share(lays)
+            out[seq == value] = self._share[int(value)]
+        return out
+
     def _screen(self, geo_index: np.ndarray, floor_g: np.ndarray) -> tuple[
             np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Optional[tuple[ArchBatch, LayoutBatch]]]:
         """The (geometry, `rep_grid` row) pairs worth building, (n_g, n_rep) each: the layout-table
@@ -402,7 +437,7 @@ class PairEvaluator:
         other alive pairs by increasing static memory until its smallest valid one is known); with
         the rep_grid pairs where `rep_valid` built them."""
         n_g, n_r = len(geo_index), len(self.rep_grid)
-        table_ub = (self.bound.table_tokens_per_s(geo_index)[:, self.bound.table_of_layout]
+        table_ub = (self.bound.table_tokens_per_s(geo_index)[:, self.bound.table_of_layout] * self._pipeline_share(geo_index)
                     if self.bound is not None else np.full((n_g, n_r), np.inf))
         alive = table_ub > floor_g[:, None]
         static = self.static_memory(geo_index, alive)

@@ -13,7 +13,12 @@ that the model-FLOPs convention counts but kernels skip, so
   MFU_g <= cap_g = min(1, eff_max x F_g / (F_g - F_attn,g))
 gives D_g <= D_ub,g and loss_g >= LB_g = law(..., D_ub,g). Geometries are taken
 in increasing LB; once LB reaches the k-th best loss found (k = alternatives
-kept), no later geometry can enter the top k, and the rest are skipped. Every
+kept), no later geometry can enter the top k, and the rest are skipped. The first
+threshold comes from seeds: geometries near the front of that order that likely
+fit in memory (`PairEvaluator.likely_fits`), searched first, so that the layout
+search prunes from the first chunk on (the front of the order is mostly
+geometries too large to fit, which otherwise all ran without a floor); this
+changes the order of work only. Every
 timed candidate is checked against its cap; a violation disables the bound and
 the search reruns unpruned.
 """
@@ -68,6 +73,21 @@ class Ranked:
     what else was evaluated, not necessarily the next best)."""
 
 
+SEED_SCAN_GEOMETRIES = 4096
+"""Geometries, from the front of the loss-bound order, among which the first threshold's seeds
+are looked for (`PairEvaluator.likely_fits`)."""
+
+
+def _threshold(losses: list[np.ndarray], top: int, within: Optional[float]) -> float:
+    """The `top`-th best finite loss found (widened to the best + `within`), inf before `top` are found."""
+    allloss = np.concatenate(losses) if losses else np.zeros(0)
+    finite = allloss[np.isfinite(allloss)]
+    if len(finite) < top:
+        return math.inf
+    threshold = float(np.partition(finite, top - 1)[top - 1])
+    return max(threshold, float(finite.min()) + within) if within is not None else threshold
+
+
 def bounds_failed(problem: Problem, res: GeometryResults) -> bool:
     """Whether a searched result beat a bound it was pruned by: the MFU cap of its geometry, or
     the compute bound of any pair timed so far (also in geometries left at their floor)."""
@@ -93,13 +113,34 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
     i = 0
     pairs = 0
     bounded = 0
+    seeded = np.zeros(0, dtype=np.int64)
     with worker_pool(problem, workers) as pool:
+        if use_bounds:
+            # a first threshold from geometries likely to fit, in loss-bound order: the search below
+            # then prunes from its first chunk (the order of work only; every geometry whose bound
+            # is below the final threshold is still searched)
+            guess = order[:SEED_SCAN_GEOMETRIES]
+            seeds = guess[problem.evaluator.likely_fits(guess)]
+            at = 0
+            while at < len(seeds) and not math.isfinite(_threshold(losses, top, None)):
+                chunk = seeds[at:at + per_chunk]
+                res = problem.evaluate(chunk, progress, pool)
+                tokens = problem.tokens_in_budget(res.tokens_per_s)
+                collected.append(res)
+                losses.append(lawmod.loss(problem.law, problem.geoms.archs.take(res.index), tokens))
+                seeded = np.r_[seeded, chunk]
+                pairs += len(chunk) * len(problem.evaluator.grid)
+                at += len(chunk)
+            threshold = _threshold(losses, top, within)
         while i < len(order):
             if lb_sorted[i] >= threshold:
                 break
             stop = i + per_chunk
             chunk = order[i:stop]
-            chunk = chunk[lb_sorted[i:stop] < threshold]
+            chunk = chunk[(lb_sorted[i:stop] < threshold) & ~np.isin(chunk, seeded)]
+            i = stop
+            if not len(chunk):
+                continue
             floor = problem.tokens_floor(threshold, chunk) if use_bounds else None
             res = problem.evaluate(chunk, progress, pool, floor=floor)
             pairs += len(chunk) * len(problem.evaluator.grid)
@@ -109,13 +150,7 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
             loss = lawmod.loss(problem.law, problem.geoms.archs.take(res.index), tokens)
             collected.append(res)
             losses.append(loss)
-            allloss = np.concatenate(losses)
-            finite = allloss[np.isfinite(allloss)]
-            if len(finite) >= top:
-                threshold = float(np.partition(finite, top - 1)[top - 1])
-                if within is not None:
-                    threshold = max(threshold, float(finite.min()) + within)
-            i = stop
+            threshold = _threshold(losses, top, within)
     res = GeometryResults.concat(collected) if collected else GeometryResults.empty()
     loss = np.concatenate(losses) if losses else np.zeros(0)
     if use_bounds and bounds_failed(problem, res):

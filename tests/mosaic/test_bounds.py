@@ -48,6 +48,9 @@ def test_compute_bound_holds_on_every_valid_pair(law, make_space, cluster, devic
     table[idx] = bound.table_tokens_per_s(idx)
     per_pair = table[g[v], bound.table_of_layout[lay_i[v]]]
     assert np.all(res.tokens_per_s <= per_pair * (1 + 1e-12))
+    # and lowered by the pipeline's bubble slots (what the search uses)
+    share = ComputeBound.pipeline_share(lays.take(v))
+    assert np.all(res.tokens_per_s <= per_pair * share * (1 + 1e-12)) and np.any(share < 1.0)
     np.testing.assert_allclose(per_geometry[idx], table[idx].max(axis=1), rtol=0)
     assert np.mean(per_pair < per_geometry[g[v]] * (1 - 1e-9)) > 0.3  # tighter than the geometry's
 

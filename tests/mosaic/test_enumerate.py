@@ -10,6 +10,7 @@ import pytest
 
 import perfmodel
 from mosaic.planner import build_problem
+from mosaic.planner import enumerate as enumerate_mod
 from mosaic.planner import problem as problem_mod
 from mosaic.planner.candidates import STATIC_FREE_FIELDS, memory_per_device
 from mosaic.planner.enumerate import rank_cluster_optimal, rank_compute_optimal
@@ -77,6 +78,24 @@ def test_pruned_and_unpruned_agree(law, make_space, cluster, devices, monkeypatc
         r.layouts = [p.evaluator.layout(r.results.best_layout[i], r.results.best_gbs[i]) for i in range(5)]
     for a, b in zip(pruned.layouts, full.layouts):
         assert a == b or (a.tp, a.pp, a.vpp, a.ep, a.dp_flavor, a.mbs, a.recompute) == (b.tp, b.pp, b.vpp, b.ep, b.dp_flavor, b.mbs, b.recompute)
+
+
+def test_the_seeded_first_threshold_changes_only_the_order_of_work(law, make_space, monkeypatch):
+    """The search takes its first threshold from geometries likely to fit (`likely_fits`), then
+    goes on in loss-bound order past them: the same top geometries as without the seeds and as
+    the unpruned search, with chunks of a few geometries so that some hold only seeds."""
+    monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 300)
+    space = make_space(n_shared_experts=(0, 1)).replace_layout(mbs=(1, 2), vpp=(1, 2))
+    seeded_p = _problem(law, space, True, 128, cluster="ascend_superpod")
+    seeded = rank_cluster_optimal(seeded_p, top=5)
+    monkeypatch.setattr(enumerate_mod, "SEED_SCAN_GEOMETRIES", 0)
+    plain = rank_cluster_optimal(_problem(law, space, True, 128, cluster="ascend_superpod"), top=5)
+    full = rank_cluster_optimal(_problem(law, space, False, 128, cluster="ascend_superpod"), top=5)
+    fits = seeded_p.evaluator.likely_fits(np.arange(len(seeded_p.geoms)))
+    assert fits.any() and not fits.all()
+    for other in (plain, full):
+        np.testing.assert_array_equal(seeded.index[:5], other.index[:5])
+        np.testing.assert_allclose(seeded.loss[:5], other.loss[:5], rtol=1e-12)
 
 
 def test_loss_bound_holds_for_every_timed_geometry(law, space):
