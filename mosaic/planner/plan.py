@@ -281,6 +281,10 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
         raise InfeasibleError("the search space has no geometry in its active-parameter band; nearest relaxation: "
                               "widen geometry.active_params or tokens_per_param, or add d_model/n_layers values")
     t0 = time.perf_counter()
+    if decide and workers > 1:
+        from mosaic.planner.uncertainty import prefetch_validation
+
+        prefetch_validation()  # on a core the search's serial start leaves free
     co = rank_compute_optimal(problem)
     search: dict[str, Any] = {"solver": solver, "geometries": len(problem.geoms),
                               "layouts_per_geometry": len(problem.evaluator.grid),

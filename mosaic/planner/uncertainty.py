@@ -109,12 +109,29 @@ _VALIDATION: dict[str, Any] = {}
 
 
 def _validation_frame() -> Any:
-    """`mosaic validate` of the bundled published runs (computed once per process)."""
+    """`mosaic validate` of the bundled published runs (computed once per process, or taken from
+    `prefetch_validation`)."""
     if "frame" not in _VALIDATION:
-        from perfmodel.validation import bundled_runs_path, validate_runs
+        future = _VALIDATION.pop("future", None)
+        if future is not None:
+            _VALIDATION["frame"] = future.result()
+        else:
+            from perfmodel.validation import bundled_runs_path, validate_runs
 
-        _VALIDATION["frame"] = validate_runs(bundled_runs_path())[0]
+            _VALIDATION["frame"] = validate_runs(bundled_runs_path())[0]
     return _VALIDATION["frame"]
+
+
+def prefetch_validation() -> None:
+    """Start `_validation_frame` in a process of its own (it reads only the bundled runs), so that
+    it runs on a free core while the search's serial start (the loss bound) runs in this one."""
+    if "frame" in _VALIDATION or "future" in _VALIDATION:
+        return
+    from concurrent.futures import ProcessPoolExecutor
+
+    executor = ProcessPoolExecutor(max_workers=1)
+    _VALIDATION["future"] = executor.submit(_validation_frame)
+    executor.shutdown(wait=False)
 
 
 def throughput_error(cluster: ClusterSpec) -> ThroughputError:
@@ -250,4 +267,4 @@ def decide(problem: Problem, ranked: Ranked, top: int, workers: int = 1) -> tupl
 
 
 __all__ = ["DRAWS", "MAX_CANDIDATES", "P_INDISTINGUISHABLE", "ROBUST_QUANTILE", "ROBUST_RULE", "ThroughputError",
-           "decide", "draw_losses", "throughput_error"]
+           "decide", "draw_losses", "prefetch_validation", "throughput_error"]

@@ -120,3 +120,18 @@ def test_layouts_that_differ_only_in_the_dispatcher_are_two_classes(law, make_sp
                    for f in ("tp", "pp", "vpp", "ep", "etp", "cp", "dp_flavor", "mbs", "recompute", "precision"))]
     classes = unc.layout_classes(p, np.asarray([a, twin[0]]))
     assert classes[0] != classes[1]
+
+
+def test_the_prefetched_validation_frame_is_the_one_computed_here(monkeypatch):
+    """`prefetch_validation` runs `mosaic validate` of the bundled runs in a side process while the
+    search starts; the decision then reads that process's frame, equal to the one computed here."""
+    from perfmodel.validation import bundled_runs_path, validate_runs
+
+    monkeypatch.setattr(unc, "_VALIDATION", {})
+    unc.prefetch_validation()
+    assert "future" in unc._VALIDATION and "frame" not in unc._VALIDATION
+    frame = unc._validation_frame()
+    assert "future" not in unc._VALIDATION and unc._validation_frame() is frame
+    here = validate_runs(bundled_runs_path())[0]
+    assert len(frame) > 10
+    assert frame.equals(here)
