@@ -27,8 +27,8 @@ pruned, exactly:
                       recompute, sequence parallel, the switches and the dispatcher) on the
                       distinct sharding keys, a lower bound that skips the full formula;
                       validity is checked where it fits (and, for a geometry with no valid pair
-                      that fits, on its other pairs by increasing static memory, until its
-                      smallest valid memory is known)
+                      that fits and no floor, on its other pairs by increasing static memory,
+                      until its smallest valid memory is known; with a floor it is left there)
   recompute dominance a pair whose layout differs from a memory-feasible pair of the
                       same geometry only by more activation recompute (none <
                       selective < full) cannot be faster (recompute only adds work),
@@ -430,12 +430,16 @@ class PairEvaluator:
         return out
 
     def _screen(self, geo_index: np.ndarray, floor_g: np.ndarray) -> tuple[
-            np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Optional[tuple[ArchBatch, LayoutBatch]]]:
+            np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Optional[tuple[ArchBatch, LayoutBatch]],
+            np.ndarray]:
         """The (geometry, `rep_grid` row) pairs worth building, (n_g, n_rep) each: the layout-table
         bound, the pairs it leaves above the floor (alive), their static memory and whether it
-        fits, and validity where it fits (and, for a geometry with no valid pair that fits, on its
-        other alive pairs by increasing static memory until its smallest valid one is known); with
-        the rep_grid pairs where `rep_valid` built them."""
+        fits, and validity where it fits (and, for a geometry with no valid pair that fits and no
+        floor, on its other alive pairs by increasing static memory until its smallest valid one,
+        what an infeasible plan reports, is known); with the rep_grid pairs where `rep_valid` built
+        them, and the geometries (n_g) with no valid pair that fits whose smallest was not sought:
+        with a floor the caller has a threshold, and such a geometry is left at it (not cached, so
+        a later search without a floor, e.g. the compute-optimal choice's, sizes it)."""
         n_g, n_r = len(geo_index), len(self.rep_grid)
         table_ub = (self.bound.table_tokens_per_s(geo_index)[:, self.bound.table_of_layout] * self._pipeline_share(geo_index)
                     if self.bound is not None else np.full((n_g, n_r), np.inf))
@@ -444,10 +448,12 @@ class PairEvaluator:
         static_fits = alive & (static <= self.hbm)
         valid, built = self.rep_valid(geo_index, static_fits)
         none = ~np.any(valid, axis=1)
-        if np.any(none):
-            valid |= self.smallest_valid(geo_index, np.where(alive & ~static_fits & none[:, None], static, np.inf))
+        unsized = none & (floor_g > 0)
+        size = none & ~unsized
+        if np.any(size):
+            valid |= self.smallest_valid(geo_index, np.where(alive & ~static_fits & size[:, None], static, np.inf))
             built = None
-        return table_ub, alive, static, static_fits, valid, built
+        return table_ub, alive, static, static_fits, valid, built, unsized
 
     def run(self, geo_index: np.ndarray, progress: Optional[ProgressFn] = None,
             floor: Optional[np.ndarray] = None) -> GeometryResults:
@@ -481,7 +487,8 @@ class PairEvaluator:
             results.append((idx, res))
 
         if self.prune:
-            table_ub, alive, static, static_fits, valid_r, built = self._screen(geo_index, floor_g)
+            table_ub, alive, static, static_fits, valid_r, built, unsized = self._screen(geo_index, floor_g)
+            exact &= ~unsized  # no layout fits: at most the floor (best 0 keeps it so below)
 
             def rep_pairs(flat: np.ndarray) -> tuple[ArchBatch, LayoutBatch]:
                 if built is None:

@@ -255,3 +255,20 @@ def test_validity_asked_on_some_pairs_is_the_validity_of_those_pairs(law, make_s
         assert not np.any(found & ~full)
         np.testing.assert_array_equal(np.where(found, static, np.inf).min(axis=1), truth)
     assert np.isfinite(truth).any() and (np.sum(ev.smallest_valid(idx, static, first=8)) < np.sum(full))
+
+
+def test_a_geometry_nothing_fits_is_left_at_a_floor_and_sized_without_one(law, make_space):
+    """With a floor (the caller has a threshold) a geometry with no valid layout that fits is left
+    there, not exact and so not cached; without one its smallest valid memory is found, the figure
+    an infeasible plan reports."""
+    p = build_problem("h100", devices=64, days=5, fit=law, space=_space(make_space))
+    ev = p.evaluator
+    idx = np.arange(min(6, len(p.geoms)))
+    static = ev.static_memory(idx)
+    valid, _ = ev.rep_valid(idx)
+    ev.hbm = 1.0  # nothing fits
+    floored = ev.run(idx, floor=np.full(len(idx), 1.0))
+    assert not np.any(floored.exact) and np.all(floored.best_layout < 0)
+    sized = ev.run(idx)
+    assert np.all(sized.exact) and np.all(sized.best_layout < 0)
+    np.testing.assert_array_equal(sized.min_memory_bytes, np.where(valid, static, np.inf).min(axis=1))
