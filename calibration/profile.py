@@ -95,7 +95,9 @@ def level_figures(fits: Sequence[AlphaBetaFit], datasheet_bw: Optional[float],
     measured busbw); the level's default efficiency is all-reduce's. Latency:
     perfmodel.comm charges latency_s per tree step (ceil(log2 n) steps per
     phase, two phases for all-reduce, one hop for p2p), so each fitted alpha is
-    divided by its step count and the median over collectives is kept. With fits of
+    divided by its step count: that is the collective's own `collective_latency_s`
+    (a 2-rank fabric's reduce-scatter alpha can sit far above its all-gather's), and
+    the median over collectives is the level's `latency_s` for any other. With fits of
     the same collectives timed after a compute gap (cpu), `sync_latency_s` is what each
     call costs beyond that (`sync_latency`).
     """
@@ -104,11 +106,15 @@ def level_figures(fits: Sequence[AlphaBetaFit], datasheet_bw: Optional[float],
     per = {f.collective: float(f"{min(1.0, max(MIN_FRACTION, f.busbw_bytes_per_s / bandwidth)):.4g}") for f in fits}
     default = per.get("all_reduce", max(per.values()))
     per_step = [f.alpha_s / latency_steps(f.collective, f.ranks) for f in fits]
+    by_collective: dict[str, list[float]] = {}
+    for f, step_s in zip(fits, per_step):
+        by_collective.setdefault(f.collective, []).append(step_s)
     out = {
         "bandwidth_bytes_per_s": float(f"{bandwidth:.6g}"),
         "latency_s": float(f"{float(np.median(per_step)):.4g}"),
         "efficiency": default,
         "collective_efficiency": per,
+        "collective_latency_s": {name: float(f"{float(np.median(v)):.4g}") for name, v in by_collective.items()},
         "bandwidth_from": "datasheet" if bandwidth == datasheet_bw else "measured",
     }
     sync = sync_latency(fits, after_compute)

@@ -150,6 +150,10 @@ def test_level_figures_are_fractions_and_respect_the_datasheet():
     assert measured["bandwidth_bytes_per_s"] == pytest.approx(350e9, rel=1e-3)
     assert all(0 < v <= 1 for v in measured["collective_efficiency"].values())
     assert level_figures(fits, 100e9)["bandwidth_from"] == "measured"  # datasheet exceeded: trust the measurement
+    # each collective keeps its own fitted alpha per latency step (3 tree steps over 8 ranks, two
+    # phases for all-reduce); the level's latency_s is their median, for collectives not measured
+    assert measured["collective_latency_s"] == pytest.approx({"all_reduce": 10e-6 / 6, "all_to_all": 20e-6 / 3}, rel=1e-3)
+    assert measured["latency_s"] == pytest.approx((10e-6 / 6 + 20e-6 / 3) / 2, rel=1e-3)
 
 
 def test_group_specs_cover_inside_and_across_nodes():
