@@ -18,7 +18,10 @@ The per-block compute times are `perfmodel.tables.block_tables` of the geometry'
 (every architecture field but n_layers and n_dense_layers, which only set the counts) and of the
 layout's table fields (`TABLE_LAYOUT_FIELDS`: tp, cp, ep, etp, mbs, sequence parallel,
 precision), computed once per distinct (shape, table fields) and cached: a planner grid has
-thousands of pairs per distinct table row. Nothing here prices a kernel: it sums what perfmodel's
+thousands of pairs per distinct table row. They are priced as `perfmodel.evaluate` prices them
+(`tables.shared_block_tables`: each attention, dense FFN and MoE block once per group of equal
+block fields, the same figures as `block_tables` row by row), and only for the shapes asked
+for (the search asks as geometries reach the front of its order). Nothing here prices a kernel: it sums what perfmodel's
 tables hold, so the bound moves with the model (tests/mosaic/test_bounds.py holds it below
 `evaluate` on every pair of the test spaces; the search re-checks it on every pair it times).
 """
@@ -40,7 +43,7 @@ from perfmodel.schedule import bubble_slots, micro_batches, stage_layer_counts, 
 from perfmodel.specs.architecture import ARCH_FIELDS, ArchBatch, n_ffn_dense_layers
 from perfmodel.specs.cluster import ClusterSpec
 from perfmodel.specs.layout import LayoutBatch
-from perfmodel.tables import CATEGORIES, LAYER_BLOCKS, TABLE_LAYOUT_FIELDS, block_tables
+from perfmodel.tables import CATEGORIES, LAYER_BLOCKS, TABLE_LAYOUT_FIELDS, shared_block_tables
 
 SHAPE_FIELDS = tuple(f for f in ARCH_FIELDS if f not in ("n_layers", "n_dense_layers"))
 """What a block's table depends on in the geometry (the layer counts only multiply it)."""
@@ -82,7 +85,7 @@ class ComputeBound:
         share = self._host.core_share(np.full(len(s), float(self.devices)))
         hw = HardwareView(self.cluster, lay_f, share)
         pricer = CollectivePricer(self.cluster, lay_f, hw.share)
-        tables = block_tables(arch_f, lay_f, self._host.block_comms, pricer, hw)
+        tables = shared_block_tables(arch_f, lay_f, self.cluster, self._host.block_comms, pricer, hw)
         for b in BLOCKS:
             tb = tables[b]
             fwd = sum(np.broadcast_to(np.asarray(tb[f"fwd_{c}"], dtype=float), s.shape) for c in CATEGORIES)

@@ -78,6 +78,11 @@ SEED_SCAN_GEOMETRIES = 4096
 are looked for (`PairEvaluator.likely_fits`)."""
 
 
+TIGHTEN_GEOMETRIES = 4096
+"""Loose loss bounds (the MFU cap's) tightened by the compute bound at a time, from the front of
+the order (each call builds the block tables of the shapes among them)."""
+
+
 def _threshold(losses: list[np.ndarray], top: int, within: Optional[float]) -> float:
     """The `top`-th best finite loss found (widened to the best + `within`), inf before `top` are found."""
     allloss = np.concatenate(losses) if losses else np.zeros(0)
@@ -103,44 +108,57 @@ def rank_cluster_optimal(problem: Problem, top: int = 10, subset: Optional[np.nd
     n = len(problem.geoms)
     index = np.arange(n) if subset is None else np.asarray(subset, dtype=np.int64)
     use_bounds = bound and problem.prune
-    lb = problem.loss_lower_bound()[index] if use_bounds else np.full(len(index), -np.inf)
-    order = index[np.argsort(lb, kind="stable")]
-    lb_sorted = np.sort(lb, kind="stable")
+    # the loss bound, lazily: the peak bound of every geometry first (cheap, never above the full
+    # one), tightened to `Problem.loss_lower_bound` (the compute bound's block tables) only where a
+    # geometry reaches the front of the order, so the tables are built for the geometries the
+    # threshold leaves open, not for the whole space
+    lb = problem.loss_lower_bound(index, tables=False) if use_bounds else np.full(len(index), -np.inf)
+    tight = np.full(len(index), not use_bounds)
+    searched = np.zeros(len(index), dtype=bool)
+
+    def tighten(pos: np.ndarray) -> None:
+        lb[pos] = problem.loss_lower_bound(index[pos])
+        tight[pos] = True
+
     per_chunk = problem.chunk_geometries() * max(1, workers)
     collected: list[GeometryResults] = []
     losses: list[np.ndarray] = []
     threshold = math.inf
-    i = 0
     pairs = 0
     bounded = 0
-    seeded = np.zeros(0, dtype=np.int64)
     with worker_pool(problem, workers) as pool:
         if use_bounds:
             # a first threshold from geometries likely to fit, in loss-bound order: the search below
             # then prunes from its first chunk (the order of work only; every geometry whose bound
             # is below the final threshold is still searched)
-            guess = order[:SEED_SCAN_GEOMETRIES]
-            seeds = guess[problem.evaluator.likely_fits(guess)]
+            guess = np.argsort(lb, kind="stable")[:SEED_SCAN_GEOMETRIES]
+            tighten(guess)
+            guess = guess[np.argsort(lb[guess], kind="stable")]
+            seeds = guess[problem.evaluator.likely_fits(index[guess])]
             at = 0
             while at < len(seeds) and not math.isfinite(_threshold(losses, top, None)):
                 chunk = seeds[at:at + per_chunk]
-                res = problem.evaluate(chunk, progress, pool)
+                res = problem.evaluate(index[chunk], progress, pool)
                 tokens = problem.tokens_in_budget(res.tokens_per_s)
                 collected.append(res)
                 losses.append(lawmod.loss(problem.law, problem.geoms.archs.take(res.index), tokens))
-                seeded = np.r_[seeded, chunk]
+                searched[chunk] = True
                 pairs += len(chunk) * len(problem.evaluator.grid)
                 at += len(chunk)
             threshold = _threshold(losses, top, within)
-        while i < len(order):
-            if lb_sorted[i] >= threshold:
+        while True:
+            open_ = np.flatnonzero(~searched & (lb < threshold))
+            if not len(open_):
                 break
-            stop = i + per_chunk
-            chunk = order[i:stop]
-            chunk = chunk[(lb_sorted[i:stop] < threshold) & ~np.isin(chunk, seeded)]
-            i = stop
-            if not len(chunk):
+            front = open_[np.argsort(lb[open_], kind="stable")[:per_chunk]]
+            if not tight[front].all():
+                # the loose bounds at the front of the order, TIGHTEN_GEOMETRIES at a time: once none
+                # is left there, the front holds the smallest full bounds
+                loose = open_[~tight[open_]]
+                tighten(loose[np.argsort(lb[loose], kind="stable")[:max(1, TIGHTEN_GEOMETRIES)]])
                 continue
+            chunk = index[front]
+            searched[front] = True
             floor = problem.tokens_floor(threshold, chunk) if use_bounds else None
             res = problem.evaluate(chunk, progress, pool, floor=floor)
             pairs += len(chunk) * len(problem.evaluator.grid)

@@ -102,18 +102,26 @@ class Problem:
                 continue
         return max(peaks) if peaks else 0.0
 
-    def loss_lower_bound(self) -> np.ndarray:
-        """LB_g = law(..., D_ub,g) with D_ub,g the smaller of two upper bounds of the tokens in budget:
-        devices x peak x MFU cap x eta_good x wall time / F_g, and (with pruning) the compute bound
-        over every layout (`bounds.ComputeBound.geometry_tokens_per_s`) x eta_good x wall time."""
-        if "loss_lower_bound" not in self._memo:
-            d_ub = (self.budget.devices * self.max_peak() * self.mfu_cap() * self.eta * self.budget.wall_time_s
-                    / self.flops_per_token)
-            bound = self.evaluator.bound
-            if self.prune and bound is not None and len(self.geoms):
-                d_ub = np.minimum(d_ub, self.tokens_in_budget(bound.geometry_tokens_per_s(np.arange(len(self.geoms)))))
-            self._memo["loss_lower_bound"] = lawmod.loss(self.law, self.geoms.archs, d_ub)
-        return self._memo["loss_lower_bound"]
+    def loss_lower_bound(self, index: Optional[np.ndarray] = None, tables: bool = True) -> np.ndarray:
+        """LB_g = law(..., D_ub,g) of the geometries `index` (default: all), D_ub,g the smaller of two
+        upper bounds of the tokens in budget: devices x peak x MFU cap x eta_good x wall time / F_g,
+        and (with pruning and `tables`) the compute bound over every layout
+        (`bounds.ComputeBound.geometry_tokens_per_s`) x eta_good x wall time. Without `tables` it is
+        the first bound alone, no higher than the other (the law falls with D) and cheap: the
+        compute bound's block tables are built only for the geometries asked for."""
+        index = np.arange(len(self.geoms)) if index is None else np.asarray(index, dtype=np.int64)
+        if "tokens_peak" not in self._memo:
+            self._memo["tokens_peak"] = (self.budget.devices * self.max_peak() * self.mfu_cap() * self.eta
+                                         * self.budget.wall_time_s / self.flops_per_token)
+        bound = self.evaluator.bound
+        if not (tables and self.prune and bound is not None):
+            return lawmod.loss(self.law, self.geoms.archs.take(index), self._memo["tokens_peak"][index])
+        lb = self._memo.setdefault("loss_lower_bound", np.full(len(self.geoms), np.nan))
+        todo = index[np.isnan(lb[index])]
+        if len(todo):
+            d_ub = np.minimum(self._memo["tokens_peak"][todo], self.tokens_in_budget(bound.geometry_tokens_per_s(todo)))
+            lb[todo] = lawmod.loss(self.law, self.geoms.archs.take(todo), d_ub)
+        return lb[index]
 
     def compute_optimal_tokens(self) -> np.ndarray:
         """D_g = C_model / F_g."""

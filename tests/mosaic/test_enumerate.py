@@ -98,6 +98,29 @@ def test_the_seeded_first_threshold_changes_only_the_order_of_work(law, make_spa
         np.testing.assert_allclose(seeded.loss[:5], other.loss[:5], rtol=1e-12)
 
 
+@pytest.mark.parametrize("tighten", [1, 7])
+def test_the_lazy_loss_bound_changes_only_the_work(law, make_space, monkeypatch, tighten):
+    """The MFU cap's bound first, tightened by the compute bound only at the front of the order
+    (`TIGHTEN_GEOMETRIES` at a time, no seeds): the same top geometries as the unpruned search, the
+    peak bound never above the full one, and block tables built for fewer shapes than the space has."""
+    monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 2000)
+    monkeypatch.setattr(enumerate_mod, "SEED_SCAN_GEOMETRIES", 0)
+    monkeypatch.setattr(enumerate_mod, "TIGHTEN_GEOMETRIES", tighten)
+    space = make_space(n_shared_experts=(0, 1)).replace_layout(mbs=(1, 2), vpp=(1, 2))
+    lazy_p = _problem(law, space, True, 128, cluster="ascend_superpod")
+    lazy = rank_cluster_optimal(lazy_p, top=5)
+    full = rank_cluster_optimal(_problem(law, space, False, 128, cluster="ascend_superpod"), top=5)
+    np.testing.assert_array_equal(lazy.index[:5], full.index[:5])
+    np.testing.assert_allclose(lazy.loss[:5], full.loss[:5], rtol=1e-12)
+    bound = lazy_p.evaluator.bound
+    filled = bound._done.any(axis=1)
+    assert 0 < filled.sum() < len(filled)  # some shapes' tables were never needed
+    index = np.arange(len(lazy_p.geoms))
+    peak, tight = lazy_p.loss_lower_bound(index, tables=False), lazy_p.loss_lower_bound(index)
+    assert np.all(peak <= tight) and np.any(peak < tight)
+    np.testing.assert_array_equal(lazy_p.loss_lower_bound(index[::3]), tight[::3])
+
+
 def test_loss_bound_holds_for_every_timed_geometry(law, space):
     p = _problem(law, space, prune=False)
     ranked = rank_cluster_optimal(p, top=len(p.geoms), bound=False)
@@ -191,3 +214,4 @@ def test_progress_counts_every_candidate_seen(law, space, monkeypatch):
     ranked = rank_cluster_optimal(p, top=2, progress=seen.append)
     layouts = len(p.evaluator.grid)
     assert sum(seen) == ranked.pairs_seen == (ranked.evaluated + ranked.bounded_geometries) * layouts and len(seen) > 1
+
