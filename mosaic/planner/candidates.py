@@ -464,14 +464,15 @@ class PairEvaluator:
         n_g, n_l, n_r = len(geo_index), len(self.grid), len(self.rep_grid)
         floor_g = np.zeros(n_g) if floor is None else np.asarray(floor, dtype=float)
         self.counts["built"] += n_g * n_l
-        tokens = np.zeros(n_g * n_l)
-        mfu = np.zeros(n_g * n_l)
-        step = np.full(n_g * n_l, np.inf)
-        gbs = np.zeros(n_g * n_l, dtype=np.int64)
         stats = {"dominated": np.zeros(n_g, dtype=np.int64), "bounded": np.zeros(n_g, dtype=np.int64)}
         exact = np.ones(n_g, dtype=bool)
         bound_ok = np.ones(n_g, dtype=bool)
         results: list[tuple[np.ndarray, perfmodel.EvalResult]] = []
+        """(flat pair positions, their evaluation) of every timed batch: only timed pairs are held,
+        never an array over the n_g x n_l pairs (most are never built)."""
+        timed_tokens: list[np.ndarray] = []
+        """tokens/s of each timed batch's pairs, 0 where infeasible."""
+        timed_gbs: list[np.ndarray] = []
 
         def time_pairs(idx: np.ndarray) -> None:
             if not len(idx):
@@ -479,11 +480,8 @@ class PairEvaluator:
             archs, lays = self._grid_pairs(geo_index, idx)
             res = perfmodel.evaluate(archs, lays, self.cluster, self.devices)
             self.counts["timed"] += len(idx)
-            ok = res.feasible
-            tokens[idx] = np.where(ok, res.tokens_per_s, 0.0)
-            mfu[idx] = np.where(ok, res.mfu, 0.0)
-            step[idx] = np.where(ok, res.step_time_s, np.inf)
-            gbs[idx] = np.asarray(lays.gbs)
+            timed_tokens.append(np.where(res.feasible, res.tokens_per_s, 0.0))
+            timed_gbs.append(np.asarray(lays.gbs, dtype=np.int64))
             results.append((idx, res))
 
         if self.prune:
@@ -543,7 +541,7 @@ class PairEvaluator:
             first = np.argmin(ties, axis=1)  # the lowest grid row among the highest bounds
             g_first = np.flatnonzero(has)
             time_pairs(self.grid_pairs_of(g_first, first[g_first], n_l))
-            best = tokens.reshape(n_g, n_l).max(axis=1)
+            best = _best_timed(results, timed_tokens, n_g, n_l)[0]
             rest = todo_r & (ub_r > best[:, None])
             rest[g_first, first[g_first]] = False
             g_rest, r_rest = np.nonzero(rest)
@@ -552,12 +550,12 @@ class PairEvaluator:
             timed_r[g_first, first[g_first]] = True
             stats["bounded"] += _weighted_count(todo_r & ~timed_r, mult)
             bound_ok = np.ones(n_g, dtype=bool)
-            for idx, _ in results:
+            for (idx, _), tok in zip(results, timed_tokens):
                 g_of, r_of = idx // n_l, self.rep_of[idx % n_l]
-                beat = tokens[idx] > ub_r[g_of, r_of] * (1.0 + 1e-9)
+                beat = tok > ub_r[g_of, r_of] * (1.0 + 1e-9)
                 bound_ok[g_of[beat]] = False
             self.bound_violated |= not bool(np.all(bound_ok))
-            best = tokens.reshape(n_g, n_l).max(axis=1)
+            best = _best_timed(results, timed_tokens, n_g, n_l)[0]
             exact |= best > floor_g
             n_valid, n_memory_ok = _weighted_count(valid_r, mult), _weighted_count(fits_r, mult)
             min_mem = memory_rm.min(axis=1) if n_r else np.full(n_g, np.inf)
@@ -584,30 +582,30 @@ class PairEvaluator:
                 return mem_m[g_rows, layouts]
         if progress is not None:
             progress(n_g * n_l)
-        tok_m = tokens.reshape(n_g, n_l)
-        best = np.argmax(tok_m, axis=1)
+        best_tokens, at = _best_timed(results, timed_tokens, n_g, n_l)
         rows = np.arange(n_g)
-        has_best = tok_m[rows, best] > 0
+        has_best = best_tokens > 0
+        best = np.zeros(n_g, dtype=np.int64)  # the grid row of each geometry's best pair
+        if np.any(has_best):
+            best[has_best] = np.concatenate([idx for idx, _ in results])[at[has_best]] % n_l
         best_layout = np.where(has_best, best, -1)
-        flat_best = rows * n_l + best
         evaluation_row = np.full(n_g, -1, dtype=np.int64)
         evaluations = None
+        best_gbs, mfu, step = np.zeros(n_g, dtype=np.int64), np.zeros(n_g), np.full(n_g, np.inf)
         if results and np.any(has_best):
-            position = np.full(n_g * n_l, -1, dtype=np.int64)
-            offset = 0
-            for idx, _ in results:
-                position[idx] = np.arange(len(idx)) + offset
-                offset += len(idx)
             store = results[0][1] if len(results) == 1 else perfmodel.EvalResult.concat([r for _, r in results])
-            evaluations = store.take(position[flat_best[has_best]])
+            evaluations = store.take(at[has_best])
             evaluation_row[has_best] = np.arange(int(has_best.sum()))
+            best_gbs[has_best] = np.concatenate(timed_gbs)[at[has_best]]
+            mfu[has_best] = evaluations.mfu
+            step[has_best] = evaluations.step_time_s
         return GeometryResults(
             index=geo_index,
             best_layout=best_layout,
-            best_gbs=np.where(has_best, gbs[flat_best], 0),
-            tokens_per_s=np.where(has_best, tokens[flat_best], 0.0),
-            mfu=np.where(has_best, mfu[flat_best], 0.0),
-            step_time_s=np.where(has_best, step[flat_best], np.inf),
+            best_gbs=best_gbs,
+            tokens_per_s=np.where(has_best, best_tokens, 0.0),
+            mfu=mfu,
+            step_time_s=step,
             memory_bytes=np.where(has_best, memory_at(rows, best), np.inf),
             min_memory_bytes=min_mem,
             min_memory_layout=np.where(np.isfinite(min_mem), min_mem_l, -1),
@@ -657,6 +655,26 @@ class ColumnGroups:
         if len(self.order):
             out[:, self.labels] = np.logical_or.reduceat(mask[:, self.order], self.starts, axis=1)
         return out
+
+
+def _best_timed(results: list[tuple[np.ndarray, Any]], timed_tokens: list[np.ndarray], n_g: int, n_l: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(the best tokens/s timed per geometry position, 0 where none is feasible; the position of its
+    pair among the timed ones in order, the lowest grid row among equal bests, -1 where none):
+    the row argmax over the n_g x n_l pairs, from the timed pairs alone."""
+    best = np.zeros(n_g)
+    at = np.full(n_g, -1, dtype=np.int64)
+    if not results:
+        return best, at
+    flat = np.concatenate([idx for idx, _ in results])
+    tok = np.concatenate(timed_tokens)
+    g = flat // n_l
+    np.maximum.at(best, g, tok)
+    top = np.flatnonzero((tok == best[g]) & (tok > 0))
+    order = top[np.lexsort((flat[top], g[top]))]
+    first = order[np.r_[True, g[order][1:] != g[order][:-1]]] if len(order) else order
+    at[g[first]] = first
+    return best, at
 
 
 def _count_timed(results: list[tuple[np.ndarray, Any]], n_g: int, n_l: int) -> np.ndarray:

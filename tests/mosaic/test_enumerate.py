@@ -215,3 +215,25 @@ def test_progress_counts_every_candidate_seen(law, space, monkeypatch):
     layouts = len(p.evaluator.grid)
     assert sum(seen) == ranked.pairs_seen == (ranked.evaluated + ranked.bounded_geometries) * layouts and len(seen) > 1
 
+
+def test_best_timed_is_the_row_argmax_of_the_full_pair_matrix():
+    """`_best_timed` from the timed batches alone equals argmax over the n_g x n_l matrix (0 where
+    not timed or infeasible): ties go to the lowest grid row, a geometry with nothing feasible gets -1."""
+    from mosaic.planner.candidates import _best_timed
+
+    rng = np.random.default_rng(3)
+    n_g, n_l = 6, 40
+    flat = rng.choice(n_g * n_l, 90, replace=False)
+    tok = np.round(rng.uniform(-1, 3, len(flat)).clip(0), 0)  # many ties and zeros
+    tok[flat // n_l == 4] = 0.0  # geometry 4: timed, none feasible
+    keep = flat // n_l != 5  # geometry 5: never timed
+    flat, tok = flat[keep], tok[keep]
+    batches = [(flat[:30], None), (flat[30:], None)]
+    best, at = _best_timed(batches, [tok[:30], tok[30:]], n_g, n_l)
+    full = np.zeros(n_g * n_l)
+    full[flat] = tok
+    mat = full.reshape(n_g, n_l)
+    np.testing.assert_array_equal(best, mat.max(axis=1))
+    has = best > 0
+    assert not has[4] and not has[5] and np.all(at[~has] == -1)
+    np.testing.assert_array_equal(flat[at[has]] % n_l, np.argmax(mat, axis=1)[has])
