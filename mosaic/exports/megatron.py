@@ -53,9 +53,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from mosaic import frameworks
 from mosaic.exports.common import bash_array, header, node_shape
 from mosaic.planfile import Plan
-from perfmodel.errors import InputError
 from perfmodel.specs.stages import format_pp_layout, virtual_stage_layers
 
 MEGATRON_MATCHED = ("NVIDIA/Megatron-LM commit d98e8a64ddf3 (2026-08-22, megatron-core 0.20.0), "
@@ -174,11 +174,7 @@ def parallel_args(plan: Plan, fsdp_args: tuple[str, ...], split_args: list[str])
 def recompute_args(plan: Plan) -> list[str]:
     mode = plan.layout.recompute
     if mode == "selective":
-        modules = (plan.layout.recompute_modules or "core_attn").split("+")
-        if modules == ["op"]:
-            raise InputError(f"{plan.source}: key 'layout.recompute_modules': 'op' is torchtitan's per-op policy, "
-                             "which Megatron-Core has no --recompute-modules for; plan with Megatron's modules "
-                             "(e.g. core_attn) or export --format torchtitan")
+        modules = (plan.layout.recompute_modules or "core_attn").split("+")  # 'op': refused by frameworks
         return ["--recompute-granularity", "selective", "--recompute-modules", *modules]
     if mode == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -187,20 +183,9 @@ def recompute_args(plan: Plan) -> list[str]:
 
 def overlap_args(plan: Plan, tp_flag: str = "--tp-comm-overlap",
                  ep_flag: str = "--overlap-moe-expert-parallel-comm") -> list[str]:
-    """The layout's overlap switches as flags (`tp_flag` / `ep_flag`: the framework's names)."""
+    """The layout's overlap switches as flags (`tp_flag` / `ep_flag`: the framework's names; what
+    each framework refuses is checked before, `mosaic.frameworks`)."""
     lay = plan.layout
-    if lay.tp_comm_overlap and tp_flag == "--tp-comm-overlap" and not (lay.sequence_parallel and lay.tp > 1):
-        raise InputError(f"{plan.source}: key 'layout.tp_comm_overlap': Megatron overlaps tensor-parallel "
-                         "communication only under sequence parallel; set sequence_parallel=true or turn it off")
-    if lay.ep_comm_overlap and ep_flag == "--overlap-moe-expert-parallel-comm":
-        why = [w for w, bad in (("full recompute", lay.recompute == "full"),
-                                ("pp > 1 without vpp", lay.pp > 1 and lay.vpp == 1),
-                                ("the allgather dispatcher", lay.dispatcher == "allgather"),
-                                ("fp32", lay.precision == "fp32")) if bad]
-        if why:
-            raise InputError(f"{plan.source}: key 'layout.ep_comm_overlap': Megatron-Core's "
-                             f"--overlap-moe-expert-parallel-comm refuses {', '.join(why)} (TransformerConfig); "
-                             "turn it off or change those")
     args = []
     if lay.overlap_grad_reduce:
         args.append("--overlap-grad-reduce")
@@ -256,7 +241,9 @@ def pretrain_gpt_groups(plan: Plan, moe: list[str], fsdp: Any, split: list[str],
 
 
 def megatron_groups(plan: Plan) -> list[ArgGroup]:
-    """The plan-derived argument groups (everything the plan decides)."""
+    """The plan-derived argument groups (everything the plan decides), once `mosaic.frameworks`
+    finds nothing Megatron-LM refuses."""
+    frameworks.check("megatron", plan.layout, plan.source)
     return [g for g in pretrain_gpt_groups(plan, moe_args(plan), MEGATRON_FSDP, megatron_split_args(plan)) if g.args]
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from mosaic import frameworks
 from mosaic.exports.common import bash_array
 from mosaic.exports.megatron import (
     ArgGroup,
@@ -73,15 +74,10 @@ MINDSPEED_FSDP = ("--use-custom-fsdp", "--data-parallel-sharding-strategy", "opt
 
 def _check_supported(plan: Plan) -> None:
     lay, m = plan.layout, plan.model
-    if lay.precision in ("fp8", "mxfp8"):
-        raise InputError(f"{plan.source}: key 'layout.precision': {lay.precision} is not exported for MindSpeed-LLM "
-                         "(Ascend 910B/910C train in bf16); plan with precision bf16")
+    frameworks.check("mindspeed", lay, plan.source)  # the layout rules; those reading the model below
     if m.n_experts > 0 and m.n_dense_layers > 0 and lay.pp > 1 and m.n_dense_layers >= m.n_layers // lay.pp:
         raise InputError(f"{plan.source}: key 'model.n_dense_layers': MindSpeed-LLM refuses a pipeline stage made only "
                          f"of dense layers ({m.n_dense_layers} >= n_layers/pp = {m.n_layers // lay.pp}); lower pp")
-    if lay.dispatcher in ("deepep", "hybridep"):
-        raise InputError(f"{plan.source}: key 'layout.dispatcher': {lay.dispatcher} is not a MindSpeed-LLM dispatcher "
-                         "(core_v0.12.1 flex/DeepEP is CUDA-only); plan with dispatcher alltoall or allgather")
 
 
 def mindspeed_moe_args(plan: Plan) -> list[str]:
@@ -121,13 +117,6 @@ def mindspeed_overlap_args(plan: Plan) -> list[str]:
     """Megatron's data-parallel overlap flags (core_v0.12.1: --overlap-param-gather needs
     --overlap-grad-reduce), MindSpeed's CoC for tensor-parallel overlap (--use-ascend-coc) and
     its all-to-all overlap for expert parallel (--moe-alltoall-overlap-comm)."""
-    lay = plan.layout
-    if lay.overlap_param_gather and not lay.overlap_grad_reduce:
-        raise InputError(f"{plan.source}: key 'layout.overlap_param_gather': Megatron core_v0.12.1 (MindSpeed-LLM) "
-                         "overlaps the parameter gather only with overlap_grad_reduce; turn both on or both off")
-    if lay.ep_comm_overlap and lay.dp_flavor == "fsdp":
-        raise InputError(f"{plan.source}: key 'layout.ep_comm_overlap': MindSpeed's custom FSDP is not combined with "
-                         "--moe-alltoall-overlap-comm; use zero1 or turn it off")
     return overlap_args(plan, tp_flag="--use-ascend-coc", ep_flag="--moe-alltoall-overlap-comm")
 
 

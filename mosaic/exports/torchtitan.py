@@ -57,9 +57,9 @@ from typing import Any, Optional
 
 import yaml
 
+from mosaic import frameworks
 from mosaic.exports.common import header
 from mosaic.planfile import Plan
-from perfmodel.errors import InputError
 from perfmodel.specs.stages import virtual_stage_layers
 from perfmodel.specs.strict import to_mapping
 
@@ -192,9 +192,6 @@ def parallel_degrees(plan: Plan) -> dict[str, Any]:
     """The [parallelism] table (without pipeline keys)."""
     lay = plan.layout
     dp = int(lay.dp)
-    if lay.ep > 1 and lay.etp not in (1, lay.tp):
-        raise InputError(f"{plan.source}: key 'layout.etp': torchtitan supports etp = 1 or etp = tp "
-                         f"(tp={lay.tp}), got {lay.etp}; use etp=1 or etp=tp for torchtitan")
     replicate, shard = 1, dp
     if lay.dp_flavor == "ddp":
         shard = next(k for k in range(1, dp + 1)
@@ -211,9 +208,7 @@ def parallel_degrees(plan: Plan) -> dict[str, Any]:
 def job_tables(plan: Plan) -> dict[str, dict[str, Any]]:
     """The TOML as nested tables (section -> key -> value)."""
     lay, m = plan.layout, plan.model
-    if lay.precision == "fp16":
-        raise InputError(f"{plan.source}: key 'layout.precision': torchtitan trains in bfloat16 or float32 "
-                         "(training.mixed_precision_param), not fp16; plan with bf16")
+    frameworks.check("torchtitan", lay, plan.source)
     dp = int(lay.dp)
     tables: dict[str, dict[str, Any]] = {
         "job": {"dump_folder": "./outputs", "description": f"MOSAIC plan {plan.source}"},
@@ -248,9 +243,6 @@ def job_tables(plan: Plan) -> dict[str, dict[str, Any]]:
         tables["parallelism"]["pipeline_parallel_microbatch_size"] = lay.mbs
     if m.n_experts > 0 and lay.dispatcher == "deepep":
         tables["parallelism"]["expert_parallel_comm_backend"] = "deepep"
-    if lay.ep_comm_overlap:
-        raise InputError(f"{plan.source}: key 'layout.ep_comm_overlap': torchtitan v0.2.2 overlaps expert-parallel "
-                         "communication only in the DualPipeV pipeline schedule; plan with ep_comm_overlap=false")
     if lay.tp_comm_overlap:
         tables["parallelism"]["enable_async_tensor_parallel"] = True
         tables["compile"] = {"enable": True}
