@@ -7,8 +7,11 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
+from mosaic import frameworks
 from mosaic.cli.common import cli_errors, console, err_console, print_json
+from mosaic.frameworks import FRAMEWORKS
 from mosaic.planner.space import geometry_label
+from perfmodel.errors import InputError
 from perfmodel.specs.architecture import ARCH_FIELDS, MoEArchitecture
 from perfmodel.specs.layout import ParallelLayout
 
@@ -55,6 +58,8 @@ def search_line(s: dict[str, Any]) -> str:
     """One line: what the search considered, pruned and evaluated, and how long it took."""
     space = s.get("space_layouts", s["layouts_per_geometry"])
     line = f"search: {s['solver']}, {s['geometries']:,} geometries x {space:,} layouts"
+    if s.get("framework"):
+        line += f" that {s['framework']} runs ({s['framework_excluded_layouts']:,} it cannot run left out)"
     if "candidates_in_space" in s:
         line += (f" = {s['candidates_in_space']:,} candidates; {s['timed']:,} timed, the rest pruned exactly "
                  f"(overlap rules and dominance {s['pruned_overlap_dominance']:,}, loss bound {s['pruned_loss_bound']:,} "
@@ -203,6 +208,9 @@ def plan(
                                 "space of over 2e7 pairs, else 1)."),
     sensitivity: bool = typer.Option(False, "--sensitivity", help="Move budget, bandwidth and HBM by +-20%; bootstrap."),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide the progress bar."),
+    framework: Optional[str] = typer.Option(None, "--framework", help="megatron | mindspeed | torchtitan: search "
+                                            "only the layouts that framework runs (default: every layout the "
+                                            "model prices; the plan then says which exports refuse it)."),
 ) -> None:
     """Plan a sparse MoE training run: the cluster-optimal and the compute-optimal answer side by side."""
     from mosaic.planfile import write_plan
@@ -214,7 +222,9 @@ def plan(
         raise typer.BadParameter("--top must be >= 0")
     if not time_limit > 0:
         raise typer.BadParameter("--time-limit must be > 0 seconds")
-    problem = build_problem(cluster, devices=devices, days=days, hours=hours, fit=fit, space=space)
+    if framework is not None and framework not in FRAMEWORKS:
+        raise InputError(f"--framework {framework}: unknown; use one of {', '.join(FRAMEWORKS)}")
+    problem = build_problem(cluster, devices=devices, days=days, hours=hours, fit=fit, space=space, framework=framework)
     total = len(problem.geoms) * len(problem.evaluator.grid)
     bar, advance = progress_bar(total, "planning", enabled=not json_output and not no_progress)
     with bar:
@@ -233,5 +243,10 @@ def plan(
         print_json(data)  # the plan file's own mapping
         return
     render(data)
+    refused = {name: frameworks.refusals(name, plan_file.layout) for name in FRAMEWORKS}
+    if any(refused.values()):  # each message starts "key 'layout.FIELD'"
+        console.print("exports: " + ", ".join(f"{name} refuses {why[0].split(chr(39))[1]}" if why else f"{name} runs it"
+                                             for name, why in refused.items())
+                      + " (`mosaic export` says why); `--framework NAME` searches only the layouts NAME runs")
     if output:
         console.print(f"plan written to {output}")

@@ -289,6 +289,8 @@ def solve(problem: Problem, solver: str = "enumerate", top: int = 10, progress: 
     search: dict[str, Any] = {"solver": solver, "geometries": len(problem.geoms),
                               "layouts_per_geometry": len(problem.evaluator.grid),
                               "space_layouts": problem.evaluator.space_layouts}
+    if problem.framework is not None:
+        search.update(framework=problem.framework, framework_excluded_layouts=problem.framework_excluded_layouts)
     if solver == "enumerate":
         # the decision widens to MAX_CANDIDATES where its band is not settled (it is on the bundled
         # spaces): one search that deep costs less than a narrow one and a wide one after it

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from mosaic import frameworks
 from mosaic.planner import law as lawmod
 from mosaic.planner.budget import Budget, compute_optimal_flops, goodput, make_budget
 from mosaic.planner.candidates import GeometryResults, PairEvaluator
@@ -36,7 +37,7 @@ from mosaic.planner.space import (
     scale_up_devices,
     usable_tp,
 )
-from perfmodel.errors import InputError, SolverError
+from perfmodel.errors import InfeasibleError, InputError, SolverError
 from perfmodel.specs.architecture import model_flops_per_token
 from perfmodel.specs.cluster import ClusterSpec
 
@@ -64,6 +65,10 @@ class Problem:
     prune: bool = True
     cluster_file: Optional[str] = None
     """Absolute path of the cluster YAML when it is not a bundled one (recorded in the plan)."""
+    framework: Optional[str] = None
+    """The framework the layouts were searched for (`mosaic.frameworks`; None: every layout priced)."""
+    framework_excluded_layouts: int = 0
+    """Layout rows of the space that framework cannot run (left out of the grid)."""
     _cache: dict[int, tuple[GeometryResults, int]] = field(default_factory=dict, repr=False, compare=False)
     """Geometry index -> (the search chunk's results, its position there); sweeps and both
     budgets reuse them."""
@@ -228,8 +233,9 @@ def _run_chunk(chunk: np.ndarray, floor: np.ndarray) -> tuple[GeometryResults, d
 
 
 def make_problem(cluster: ClusterSpec, budget: Budget, space: SearchSpace, law: lawmod.Law, prune: bool = True,
-                 cluster_file: Optional[str] = None) -> Problem:
-    """Prepare the problem (module doc): goodput, C_model, resolved space, geometries, layout grid."""
+                 cluster_file: Optional[str] = None, framework: Optional[str] = None) -> Problem:
+    """Prepare the problem (module doc): goodput, C_model, resolved space, geometries, layout grid
+    (with `framework`, only the rows it runs: `mosaic.frameworks.supported`)."""
     co = space.compute_optimal
     eta = goodput(cluster, budget.devices)
     c_model = compute_optimal_flops(cluster, budget, co.nominal_mfu, co.precision)
@@ -237,15 +243,23 @@ def make_problem(cluster: ClusterSpec, budget: Budget, space: SearchSpace, law: 
     geoms = geometries(resolved)
     resolved = usable_tp(resolved, geoms)
     grid = layout_grid(resolved, budget.devices)
+    excluded = 0
+    if framework is not None:
+        keep = frameworks.supported(framework, grid)
+        if not keep.any():
+            raise InfeasibleError(f"--framework {framework}: runs none of the {len(grid):,} layouts of the space; "
+                                  "widen the space's layout lists or plan without --framework")
+        excluded, grid = int((~keep).sum()), grid.take(np.flatnonzero(keep))
     evaluator = PairEvaluator(geoms.archs, grid, cluster, budget.devices, space.layout.gbs_tokens, prune=prune)
     return Problem(cluster=cluster, budget=budget, space=space, law=law, resolved=resolved, geoms=geoms,
                    evaluator=evaluator, eta=eta, c_model=c_model,
                    flops_per_token=np.asarray(model_flops_per_token(geoms.archs), dtype=float), prune=prune,
-                   cluster_file=cluster_file)
+                   cluster_file=cluster_file, framework=framework, framework_excluded_layouts=excluded)
 
 
 def build_problem(cluster: Any, devices: Optional[int] = None, days: Optional[float] = None,
-                  hours: Optional[float] = None, fit: Any = None, space: Any = None, prune: bool = True) -> Problem:
+                  hours: Optional[float] = None, fit: Any = None, space: Any = None, prune: bool = True,
+                  framework: Optional[str] = None) -> Problem:
     """`make_problem` from names/paths or objects: a cluster name, file or ClusterSpec; a fit path, None
     (the bundled fit) or a law; a space path, None (the bundled space) or a SearchSpace."""
     from perfmodel.clusters import bundled_cluster_paths, load_cluster, resolve_cluster_path
@@ -261,7 +275,7 @@ def build_problem(cluster: Any, devices: Optional[int] = None, days: Optional[fl
     law = fit if (fit is not None and hasattr(fit, "predict")) else lawmod.load_law(fit)
     sp = space if isinstance(space, SearchSpace) else load_space(space)
     budget = make_budget(spec, devices=devices, days=days, hours=hours)
-    return make_problem(spec, budget, sp, law, prune=prune, cluster_file=cluster_file)
+    return make_problem(spec, budget, sp, law, prune=prune, cluster_file=cluster_file, framework=framework)
 
 
 __all__ = ["CHUNK_PAIRS", "Problem", "build_problem", "init_worker", "make_problem"]
