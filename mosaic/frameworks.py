@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Union
 
 import numpy as np
 
@@ -34,81 +33,79 @@ from perfmodel.operators import (
     recomputes,
 )
 from perfmodel.specs.layout import LayoutBatch, ParallelLayout
-
-Layout = Union[ParallelLayout, LayoutBatch]
-Flag = Union[bool, np.ndarray]
+from perfmodel.specs.protocols import Flag, LayoutLike
 
 
 def _a(x: object) -> np.ndarray:
     return np.asarray(x)
 
 
-def tp_overlap_needs_sequence_parallel(lay: Layout) -> Flag:
+def tp_overlap_needs_sequence_parallel(lay: LayoutLike) -> Flag:
     """Megatron-LM validate_args: --tp-comm-overlap needs --sequence-parallel (and tp > 1)."""
     return ~_a(lay.tp_comm_overlap) | (_a(lay.sequence_parallel) & (_a(lay.tp) > 1))
 
 
-def ep_overlap_without_full_recompute(lay: Layout) -> Flag:
+def ep_overlap_without_full_recompute(lay: LayoutLike) -> Flag:
     """Megatron-Core TransformerConfig: --overlap-moe-expert-parallel-comm refuses full recompute."""
     return ~_a(lay.ep_comm_overlap) | (_a(recompute_code(lay)) != FULL)
 
 
-def ep_overlap_needs_vpp_under_pp(lay: Layout) -> Flag:
+def ep_overlap_needs_vpp_under_pp(lay: LayoutLike) -> Flag:
     """Megatron-Core TransformerConfig: the EP overlap schedule needs vpp where pp > 1."""
     return ~_a(lay.ep_comm_overlap) | ~((_a(lay.pp) > 1) & (_a(lay.vpp) == 1))
 
 
-def ep_overlap_without_allgather(lay: Layout) -> Flag:
+def ep_overlap_without_allgather(lay: LayoutLike) -> Flag:
     """Megatron-Core TransformerConfig: the EP overlap refuses the allgather dispatcher."""
     return ~_a(lay.ep_comm_overlap) | (_a(dispatcher_code(lay)) != ALLGATHER)
 
 
-def ep_overlap_without_fp32(lay: Layout) -> Flag:
+def ep_overlap_without_fp32(lay: LayoutLike) -> Flag:
     """Megatron-Core TransformerConfig: the EP overlap needs bf16 or fp16 training."""
     return ~_a(lay.ep_comm_overlap) | (_a(precision_code(lay)) != FP32)
 
 
-def no_per_op_recompute(lay: Layout) -> Flag:
+def no_per_op_recompute(lay: LayoutLike) -> Flag:
     """Megatron-Core's --recompute-modules has no per-op policy (torchtitan's 'op')."""
     return ~_a(recomputes(lay, "op"))
 
 
-def mindspeed_precision(lay: Layout) -> Flag:
+def mindspeed_precision(lay: LayoutLike) -> Flag:
     """MindSpeed-LLM on Ascend 910B/910C trains in bf16: no fp8 / mxfp8 export."""
     return ~np.isin(_a(precision_code(lay)), (FP8, MXFP8))
 
 
-def mindspeed_dispatcher(lay: Layout) -> Flag:
+def mindspeed_dispatcher(lay: LayoutLike) -> Flag:
     """MindSpeed-LLM (core_v0.12.1) has no DeepEP / HybridEP dispatcher (flex/DeepEP is CUDA-only)."""
     return ~np.isin(_a(dispatcher_code(lay)), (DEEPEP, HYBRIDEP))
 
 
-def mindspeed_param_gather_with_grad_reduce(lay: Layout) -> Flag:
+def mindspeed_param_gather_with_grad_reduce(lay: LayoutLike) -> Flag:
     """Megatron core_v0.12.1 overlaps the parameter gather only with --overlap-grad-reduce."""
     return ~_a(lay.overlap_param_gather) | _a(lay.overlap_grad_reduce)
 
 
-def mindspeed_ep_overlap_without_fsdp(lay: Layout) -> Flag:
+def mindspeed_ep_overlap_without_fsdp(lay: LayoutLike) -> Flag:
     """MindSpeed's custom FSDP is not combined with --moe-alltoall-overlap-comm."""
     return ~_a(lay.ep_comm_overlap) | (_a(dp_flavor_code(lay)) != FSDP)
 
 
-def torchtitan_no_ep_overlap(lay: Layout) -> Flag:
+def torchtitan_no_ep_overlap(lay: LayoutLike) -> Flag:
     """torchtitan v0.2.2 overlaps expert-parallel communication only in its DualPipeV schedule."""
     return ~_a(lay.ep_comm_overlap)
 
 
-def torchtitan_etp(lay: Layout) -> Flag:
+def torchtitan_etp(lay: LayoutLike) -> Flag:
     """torchtitan's expert parallel: etp = 1 or etp = tp (where ep > 1)."""
     return (_a(lay.ep) == 1) | (_a(lay.etp) == 1) | (_a(lay.etp) == _a(lay.tp))
 
 
-def torchtitan_precision(lay: Layout) -> Flag:
+def torchtitan_precision(lay: LayoutLike) -> Flag:
     """torchtitan trains in bfloat16 or float32 (training.mixed_precision_param), not fp16."""
     return _a(precision_code(lay)) != FP16
 
 
-Rule = tuple[str, Callable[[Layout], Flag], str]
+Rule = tuple[str, Callable[[LayoutLike], Flag], str]
 """(name, predicate: True where the framework runs the layout, message: "key 'layout.FIELD': why;
 the fix", formatted with the layout's fields)."""
 
@@ -159,7 +156,8 @@ FRAMEWORKS: dict[str, tuple[Rule, ...]] = {
 """The frameworks `mosaic plan --framework` and the exporters know, each with its rules."""
 
 
-def _rules(framework: str) -> tuple[Rule, ...]:
+def rules(framework: str) -> tuple[Rule, ...]:
+    """`framework`'s rules (InputError naming the known frameworks for another name)."""
     if framework not in FRAMEWORKS:
         raise InputError(f"--framework {framework}: unknown; use one of {', '.join(FRAMEWORKS)}")
     return FRAMEWORKS[framework]
@@ -168,7 +166,7 @@ def _rules(framework: str) -> tuple[Rule, ...]:
 def supported(framework: str, grid: LayoutBatch) -> np.ndarray:
     """Whether `framework` runs each row of `grid` (every rule of its table)."""
     ok = np.ones(len(grid), dtype=bool)
-    for _, rule, _ in _rules(framework):
+    for _, rule, _ in rules(framework):
         ok &= np.broadcast_to(np.asarray(rule(grid), dtype=bool), ok.shape)
     return ok
 
@@ -176,7 +174,7 @@ def supported(framework: str, grid: LayoutBatch) -> np.ndarray:
 def refusals(framework: str, layout: ParallelLayout) -> list[str]:
     """The messages of the rules `framework` refuses `layout` by (empty: it runs it)."""
     fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
-    return [message.format(**fields) for _, rule, message in _rules(framework) if not bool(np.all(rule(layout)))]
+    return [message.format(**fields) for _, rule, message in rules(framework) if not bool(np.all(rule(layout)))]
 
 
 def check(framework: str, layout: ParallelLayout, source: str) -> None:
@@ -186,4 +184,4 @@ def check(framework: str, layout: ParallelLayout, source: str) -> None:
         raise InputError(f"{source}: {problems[0]}")
 
 
-__all__ = ["FRAMEWORKS", "check", "refusals", "supported"]
+__all__ = ["FRAMEWORKS", "check", "refusals", "rules", "supported"]

@@ -11,7 +11,6 @@ from mosaic import frameworks
 from mosaic.cli.common import cli_errors, console, err_console, print_json
 from mosaic.frameworks import FRAMEWORKS
 from mosaic.planner.space import geometry_label
-from perfmodel.errors import InputError
 from perfmodel.specs.architecture import ARCH_FIELDS, MoEArchitecture
 from perfmodel.specs.layout import ParallelLayout
 
@@ -222,8 +221,8 @@ def plan(
         raise typer.BadParameter("--top must be >= 0")
     if not time_limit > 0:
         raise typer.BadParameter("--time-limit must be > 0 seconds")
-    if framework is not None and framework not in FRAMEWORKS:
-        raise InputError(f"--framework {framework}: unknown; use one of {', '.join(FRAMEWORKS)}")
+    if framework is not None:
+        frameworks.rules(framework)  # an unknown name fails before the space is built
     problem = build_problem(cluster, devices=devices, days=days, hours=hours, fit=fit, space=space, framework=framework)
     total = len(problem.geoms) * len(problem.evaluator.grid)
     bar, advance = progress_bar(total, "planning", enabled=not json_output and not no_progress)

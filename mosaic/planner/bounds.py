@@ -20,9 +20,9 @@ layout's table fields (`TABLE_LAYOUT_FIELDS`: tp, cp, ep, etp, mbs, sequence par
 precision), computed once per distinct (shape, table fields) and cached: a planner grid has
 thousands of pairs per distinct table row. They are priced as `perfmodel.evaluate` prices them
 (`tables.shared_block_tables`: each attention, dense FFN and MoE block once per group of equal
-block fields, the same figures as `block_tables` row by row), and only for the shapes asked
-for (the search asks as geometries reach the front of its order). Nothing here prices a kernel: it sums what perfmodel's
-tables hold, so the bound moves with the model (tests/mosaic/test_bounds.py holds it below
+block fields, the same figures as `block_tables` row by row), and only for the shapes asked for
+(the search asks as geometries reach the front of its order). Nothing here prices a kernel: it
+sums what perfmodel's tables hold, so the bound moves with the model (tests/mosaic/test_bounds.py holds it below
 `evaluate` on every pair of the test spaces; the search re-checks it on every pair it times).
 """
 
