@@ -43,6 +43,12 @@ from perfmodel.specs.cluster import ClusterSpec
 
 CHUNK_PAIRS = 262144
 """(geometry x layout) pairs per vectorised chunk (the enumeration reads it too)."""
+CHUNK_MIN_GEOMETRIES = 60
+"""Geometries per chunk at least: a chunk's fixed costs (its `perfmodel.evaluate` and memory calls,
+~15-35 ms each) are paid per chunk, and the search's threshold moves per chunk of geometries, so a
+wide layout grid (the MLA space: 7,308 validity rows, 35 geometries in CHUNK_PAIRS) is searched in
+as many geometries per chunk as the default spaces' 4,368-row grids (60; benchmarks/plan_speed.py)."""
+
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,8 +162,9 @@ class Problem:
 
     # -- the layout search, cached per geometry -----------------------------------------
     def chunk_geometries(self) -> int:
-        """Geometries per vectorised chunk: CHUNK_PAIRS pairs of the evaluator's width."""
-        return max(1, CHUNK_PAIRS // max(self.evaluator.width, 1))
+        """Geometries per vectorised chunk: CHUNK_PAIRS pairs of the evaluator's width, at least
+        CHUNK_MIN_GEOMETRIES."""
+        return max(CHUNK_MIN_GEOMETRIES, CHUNK_PAIRS // max(self.evaluator.width, 1))
 
     def evaluate(self, index: np.ndarray, progress: Optional[Callable[[int], None]] = None,
                  pool: Optional[ProcessPoolExecutor] = None, floor: Optional[np.ndarray] = None) -> GeometryResults:

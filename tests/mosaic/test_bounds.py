@@ -120,6 +120,7 @@ def test_overlap_dominance_keeps_one_row_per_reachable_switch_set(law, make_spac
 @pytest.mark.parametrize("cluster,devices", [("h100", 64), ("ascend_superpod", 128)])
 def test_every_pruning_together_leaves_the_answer_unchanged(law, make_space, cluster, devices, monkeypatch):
     monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 3000)
+    monkeypatch.setattr(problem_mod, "CHUNK_MIN_GEOMETRIES", 1)
     space = _space(make_space)
     pruned_p = build_problem(cluster, devices=devices, days=5, fit=law, space=space)
     full_p = build_problem(cluster, devices=devices, days=5, fit=law, space=space, prune=False)
@@ -152,6 +153,7 @@ def test_a_bound_that_fails_in_a_worker_process_reaches_the_parent(law, make_spa
     from mosaic.planner import problem as problem_mod
 
     monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 2000)  # several chunks, so the pool is used
+    monkeypatch.setattr(problem_mod, "CHUNK_MIN_GEOMETRIES", 1)
     real = ComputeBound.tokens_per_s
     monkeypatch.setattr(ComputeBound, "tokens_per_s", lambda self, *a, **k: real(self, *a, **k) * 0.5)
     p = build_problem("h100", devices=64, days=5, fit=law, space=_space(make_space))

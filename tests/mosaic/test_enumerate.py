@@ -65,6 +65,7 @@ def test_enumeration_matches_a_brute_force_loop(law, make_space, attention):
 @pytest.mark.parametrize("cluster,devices", [("h100", 64), ("ascend_superpod", 128)])
 def test_pruned_and_unpruned_agree(law, make_space, cluster, devices, monkeypatch):
     monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 2000)  # several chunks, so the loss bound can stop early
+    monkeypatch.setattr(problem_mod, "CHUNK_MIN_GEOMETRIES", 1)
     space = make_space(n_shared_experts=(0, 1)).replace_layout(mbs=(1, 2), vpp=(1, 2))
     pruned_p = _problem(law, space, True, devices, cluster=cluster)
     full_p = _problem(law, space, False, devices, cluster=cluster)
@@ -85,6 +86,7 @@ def test_the_seeded_first_threshold_changes_only_the_order_of_work(law, make_spa
     goes on in loss-bound order past them: the same top geometries as without the seeds and as
     the unpruned search, with chunks of a few geometries so that some hold only seeds."""
     monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 300)
+    monkeypatch.setattr(problem_mod, "CHUNK_MIN_GEOMETRIES", 1)
     space = make_space(n_shared_experts=(0, 1)).replace_layout(mbs=(1, 2), vpp=(1, 2))
     seeded_p = _problem(law, space, True, 128, cluster="ascend_superpod")
     seeded = rank_cluster_optimal(seeded_p, top=5)
@@ -104,6 +106,7 @@ def test_the_lazy_loss_bound_changes_only_the_work(law, make_space, monkeypatch,
     (`TIGHTEN_GEOMETRIES` at a time, no seeds): the same top geometries as the unpruned search, the
     peak bound never above the full one, and block tables built for fewer shapes than the space has."""
     monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 2000)
+    monkeypatch.setattr(problem_mod, "CHUNK_MIN_GEOMETRIES", 1)
     monkeypatch.setattr(enumerate_mod, "SEED_SCAN_GEOMETRIES", 0)
     monkeypatch.setattr(enumerate_mod, "TIGHTEN_GEOMETRIES", tighten)
     space = make_space(n_shared_experts=(0, 1)).replace_layout(mbs=(1, 2), vpp=(1, 2))
@@ -187,6 +190,7 @@ def test_infeasible_budget_names_memory_and_the_relaxation(law, space):
 
 def test_process_parallel_search_gives_the_same_answer(law, space, monkeypatch):
     monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 2000)
+    monkeypatch.setattr(problem_mod, "CHUNK_MIN_GEOMETRIES", 1)
     one = rank_cluster_optimal(_problem(law, space), top=3)
     p_two = _problem(law, space)
     two = rank_cluster_optimal(p_two, top=3, workers=2)
@@ -209,6 +213,7 @@ def test_auto_workers_use_every_core_only_on_a_large_space(law, space, monkeypat
 
 def test_progress_counts_every_candidate_seen(law, space, monkeypatch):
     monkeypatch.setattr(problem_mod, "CHUNK_PAIRS", 500)
+    monkeypatch.setattr(problem_mod, "CHUNK_MIN_GEOMETRIES", 1)
     seen = []
     p = _problem(law, space)
     ranked = rank_cluster_optimal(p, top=2, progress=seen.append)
