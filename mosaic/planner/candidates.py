@@ -463,7 +463,12 @@ class PairEvaluator:
         geo_index = np.asarray(geo_index, dtype=np.int64)
         n_g, n_l, n_r = len(geo_index), len(self.grid), len(self.rep_grid)
         floor_g = np.zeros(n_g) if floor is None else np.asarray(floor, dtype=float)
-        self.counts["built"] += n_g * n_l
+        n_pairs = n_g * n_l
+        self.counts["built"] += n_pairs
+        full_index: Optional[np.ndarray] = None
+        """With geometries left at their floor by the screen: the whole chunk (the search below runs
+        on the others; `dropped` holds the left ones)."""
+        dropped = GeometryResults.empty()
         stats = {"dominated": np.zeros(n_g, dtype=np.int64), "bounded": np.zeros(n_g, dtype=np.int64)}
         exact = np.ones(n_g, dtype=bool)
         bound_ok = np.ones(n_g, dtype=bool)
@@ -486,7 +491,22 @@ class PairEvaluator:
 
         if self.prune:
             table_ub, alive, static, static_fits, valid_r, built, unsized = self._screen(geo_index, floor_g)
-            exact &= ~unsized  # no layout fits: at most the floor (best 0 keeps it so below)
+            if np.any(unsized):
+                # no valid layout fits and a floor is given: at most the floor, nothing left to search
+                # there (`_left_at_floor`); the rest of the search runs on the other geometries only
+                full_index, kept = geo_index, np.flatnonzero(~unsized)
+                dropped = _left_at_floor(geo_index[unsized], _weighted_count(~alive[unsized], self.rep_mult))
+                self.counts["held"] += int(dropped.n_bounded.sum())
+                if not len(kept):
+                    return dropped
+                if built is not None:
+                    flat = (kept[:, None] * n_r + np.arange(n_r)[None, :]).ravel()
+                    built = (built[0].take(flat), built[1].take(flat))
+                table_ub, alive, static, static_fits, valid_r = (m[kept] for m in (table_ub, alive, static, static_fits,
+                                                                                    valid_r))
+                geo_index, floor_g, n_g = geo_index[kept], floor_g[kept], len(kept)
+                exact, bound_ok = exact[kept], bound_ok[kept]
+                stats = {key: value[kept] for key, value in stats.items()}
 
             def rep_pairs(flat: np.ndarray) -> tuple[ArchBatch, LayoutBatch]:
                 if built is None:
@@ -581,7 +601,7 @@ class PairEvaluator:
             def memory_at(g_rows: np.ndarray, layouts: np.ndarray) -> np.ndarray:
                 return mem_m[g_rows, layouts]
         if progress is not None:
-            progress(n_g * n_l)
+            progress(n_pairs)
         best_tokens, at = _best_timed(results, timed_tokens, n_g, n_l)
         rows = np.arange(n_g)
         has_best = best_tokens > 0
@@ -599,7 +619,7 @@ class PairEvaluator:
             best_gbs[has_best] = np.concatenate(timed_gbs)[at[has_best]]
             mfu[has_best] = evaluations.mfu
             step[has_best] = evaluations.step_time_s
-        return GeometryResults(
+        out = GeometryResults(
             index=geo_index,
             best_layout=best_layout,
             best_gbs=best_gbs,
@@ -619,11 +639,30 @@ class PairEvaluator:
             evaluation_row=evaluation_row,
             evaluations=evaluations,
         )
+        if full_index is None:
+            return out
+        both = GeometryResults.concat([out, dropped])
+        position = {int(g): k for k, g in enumerate(both.index)}
+        return both.take(np.asarray([position[int(g)] for g in full_index], dtype=np.int64))
 
     def layout(self, layout_index: int, gbs: int) -> Any:
         """The resolved ParallelLayout of grid row `layout_index` with its gbs."""
         one = self.grid.take(np.asarray([int(layout_index)]))
         return dataclasses.replace(one, gbs=np.asarray([int(gbs)])).row(0)
+
+
+def _left_at_floor(geo_index: np.ndarray, held: np.ndarray) -> GeometryResults:
+    """`PairEvaluator.run`'s result for geometries with no valid layout that fits and a floor: none
+    feasible, nothing valid or timed, `held` pairs held by the layout-table bound, not exact."""
+    n = len(geo_index)
+    return GeometryResults(index=np.asarray(geo_index, dtype=np.int64), best_layout=np.full(n, -1, dtype=np.int64),
+                           best_gbs=np.zeros(n, dtype=np.int64), tokens_per_s=np.zeros(n), mfu=np.zeros(n),
+                           step_time_s=np.full(n, np.inf), memory_bytes=np.full(n, np.inf), min_memory_bytes=np.full(n, np.inf),
+                           min_memory_layout=np.full(n, -1, dtype=np.int64), n_valid=np.zeros(n, dtype=np.int64),
+                           n_dominated=np.zeros(n, dtype=np.int64), n_memory_ok=np.zeros(n, dtype=np.int64),
+                           n_bounded=np.asarray(held, dtype=np.int64), n_timed=np.zeros(n, dtype=np.int64),
+                           bound_ok=np.ones(n, dtype=bool), exact=np.zeros(n, dtype=bool),
+                           evaluation_row=np.full(n, -1, dtype=np.int64))
 
 
 def _weighted_count(mask: np.ndarray, weight: np.ndarray) -> np.ndarray:

@@ -274,3 +274,35 @@ def test_a_geometry_nothing_fits_is_left_at_a_floor_and_sized_without_one(law, m
     sized = ev.run(idx)
     assert np.all(sized.exact) and np.all(sized.best_layout < 0)
     np.testing.assert_array_equal(sized.min_memory_bytes, np.where(valid, static, np.inf).min(axis=1))
+
+
+def test_geometries_nothing_fits_leave_the_rest_of_their_chunk_searched_as_alone(law, make_space):
+    """`run` takes the geometries with no valid layout that fits (under a floor) out of its chunk
+    after the screen: the others get the results they get searched alone, those left get none
+    feasible and not exact, and the chunk's order and counts are kept."""
+    p = build_problem("h100", devices=64, days=5, fit=law, space=_space(make_space))
+    ev = p.evaluator
+    idx = np.arange(min(40, len(p.geoms)))
+    static = ev.static_memory(idx)
+    valid, _ = ev.rep_valid(idx)
+    smallest = np.where(valid, static, np.inf).min(axis=1)
+    ev.hbm = float(np.median(smallest[np.isfinite(smallest)]))  # about half the chunk fits
+    floor = np.full(len(idx), 1e-9)  # below every bound: a floor that holds nothing back
+    before = dict(ev.counts)
+    chunk = ev.run(idx, floor=floor)
+    counts = {k: ev.counts[k] - before[k] for k in before}
+    np.testing.assert_array_equal(chunk.index, idx)
+    left = ~(smallest <= ev.hbm)
+    assert left.any() and (~left).sum() >= 5
+    assert not np.any(chunk.exact[left]) and np.all(chunk.best_layout[left] < 0)
+    assert np.all(chunk.n_valid[left] == 0) and np.all(chunk.n_timed[left] == 0)
+    assert np.all(np.isinf(chunk.min_memory_bytes[left]))
+    kept = np.flatnonzero(~left)
+    alone = ev.run(idx[kept], floor=floor[kept])
+    for name in ("index", "best_layout", "best_gbs", "tokens_per_s", "mfu", "step_time_s", "memory_bytes",
+                 "min_memory_bytes", "min_memory_layout", "n_valid", "n_dominated", "n_memory_ok", "n_bounded",
+                 "n_timed", "bound_ok", "exact"):
+        np.testing.assert_array_equal(getattr(chunk, name)[kept], getattr(alone, name), err_msg=name)
+    assert np.any(alone.tokens_per_s > 0)
+    np.testing.assert_array_equal(chunk.take(kept).evaluations.step_time_s, alone.evaluations.step_time_s)
+    assert counts["built"] == len(idx) * len(ev.grid) and counts["timed"] == int(chunk.n_timed.sum())
