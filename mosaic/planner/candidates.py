@@ -465,9 +465,9 @@ class PairEvaluator:
         floor_g = np.zeros(n_g) if floor is None else np.asarray(floor, dtype=float)
         n_pairs = n_g * n_l
         self.counts["built"] += n_pairs
-        full_index: Optional[np.ndarray] = None
-        """With geometries left at their floor by the screen: the whole chunk (the search below runs
-        on the others; `dropped` holds the left ones)."""
+        back: Optional[np.ndarray] = None
+        """With geometries left at their floor by the screen (`dropped`; the search below runs on the
+        others): the position in [searched, dropped] of each geometry of the chunk."""
         dropped = GeometryResults.empty()
         stats = {"dominated": np.zeros(n_g, dtype=np.int64), "bounded": np.zeros(n_g, dtype=np.int64)}
         exact = np.ones(n_g, dtype=bool)
@@ -494,7 +494,8 @@ class PairEvaluator:
             if np.any(unsized):
                 # no valid layout fits and a floor is given: at most the floor, nothing left to search
                 # there (`_left_at_floor`); the rest of the search runs on the other geometries only
-                full_index, kept = geo_index, np.flatnonzero(~unsized)
+                kept = np.flatnonzero(~unsized)
+                back = np.argsort(np.concatenate([kept, np.flatnonzero(unsized)]), kind="stable")
                 dropped = _left_at_floor(geo_index[unsized], _weighted_count(~alive[unsized], self.rep_mult))
                 self.counts["held"] += int(dropped.n_bounded.sum())
                 if not len(kept):
@@ -639,11 +640,7 @@ class PairEvaluator:
             evaluation_row=evaluation_row,
             evaluations=evaluations,
         )
-        if full_index is None:
-            return out
-        both = GeometryResults.concat([out, dropped])
-        position = {int(g): k for k, g in enumerate(both.index)}
-        return both.take(np.asarray([position[int(g)] for g in full_index], dtype=np.int64))
+        return out if back is None else GeometryResults.concat([out, dropped]).take(back)
 
     def layout(self, layout_index: int, gbs: int) -> Any:
         """The resolved ParallelLayout of grid row `layout_index` with its gbs."""

@@ -47,8 +47,7 @@ CHUNK_MIN_GEOMETRIES = 60
 """Geometries per chunk at least: a chunk's fixed costs (its `perfmodel.evaluate` and memory calls,
 ~15-35 ms each) are paid per chunk, and the search's threshold moves per chunk of geometries, so a
 wide layout grid (the MLA space: 7,308 validity rows, 35 geometries in CHUNK_PAIRS) is searched in
-as many geometries per chunk as the default spaces' 4,368-row grids (60; benchmarks/plan_speed.py)."""
-
+as many geometries per chunk as the default spaces' 4,368-row grids get (60; measured in docs/design.md)."""
 
 
 @dataclass(frozen=True, eq=False)
