@@ -221,13 +221,15 @@ def plan(
         raise typer.BadParameter("--top must be >= 0")
     if not time_limit > 0:
         raise typer.BadParameter("--time-limit must be > 0 seconds")
+    if workers < 0:
+        raise typer.BadParameter("--workers must be >= 0 (0 = auto)")
     if framework is not None:
         frameworks.rules(framework)  # an unknown name fails before the space is built
     problem = build_problem(cluster, devices=devices, days=days, hours=hours, fit=fit, space=space, framework=framework)
     total = len(problem.geoms) * len(problem.evaluator.grid)
     bar, advance = progress_bar(total, "planning", enabled=not json_output and not no_progress)
     with bar:
-        result = solve(problem, solver=solver, top=top, progress=advance, workers=auto_workers(problem, max(0, workers)),
+        result = solve(problem, solver=solver, top=top, progress=advance, workers=auto_workers(problem, workers),
                        time_limit_s=time_limit, pick=pick)
     if sensitivity:
         from mosaic.planner.sensitivity import bootstrap_comparison, sensitivity_table

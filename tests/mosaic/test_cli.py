@@ -40,6 +40,8 @@ def test_plan_bad_input_and_infeasible_exit_codes(planted, space_file, tmp_path)
     assert res.exit_code == 2 and "give --days or --hours, not both" in res.output
     res = runner.invoke(app, ["plan", "--cluster", "h100", "--solver", "gurobi", "--space", space_file])
     assert res.exit_code == 2 and "--solver 'gurobi' is unknown" in " ".join(res.output.split())
+    res = runner.invoke(app, ["plan", "--cluster", "h100", "--workers", "-1", "--space", space_file])
+    assert res.exit_code == 2 and "--workers must be >= 0" in " ".join(res.output.split())
     cluster = yaml.safe_load(open("perfmodel/clusters/h100.yaml").read())
     cluster["accelerator"]["hbm_usable_bytes"] = 3.5e9
     path = tmp_path / "small_hbm.yaml"
