@@ -203,7 +203,7 @@ def plan(
     time_limit: float = typer.Option(300.0, "--time-limit", help="Seconds the MINLP solver may take (scip, bonmin, mindtpy)."),
     pick: str = typer.Option("robust", "--pick", help="robust: the robust pick among the indistinguishable plans; "
                              "nominal: the lowest predicted loss."),
-    workers: int = typer.Option(0, "--workers", help="Processes for the enumeration (0 = auto: every core for a "
+    workers: int = typer.Option(0, "--workers", min=0, help="Processes for the enumeration (0 = auto: every core for a "
                                 "space of over 2e7 pairs, else 1)."),
     sensitivity: bool = typer.Option(False, "--sensitivity", help="Move budget, bandwidth and HBM by +-20%; bootstrap."),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide the progress bar."),
@@ -221,8 +221,6 @@ def plan(
         raise typer.BadParameter("--top must be >= 0")
     if not time_limit > 0:
         raise typer.BadParameter("--time-limit must be > 0 seconds")
-    if workers < 0:
-        raise typer.BadParameter("--workers must be >= 0 (0 = auto)")
     if framework is not None:
         frameworks.rules(framework)  # an unknown name fails before the space is built
     problem = build_problem(cluster, devices=devices, days=days, hours=hours, fit=fit, space=space, framework=framework)

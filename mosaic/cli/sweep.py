@@ -32,7 +32,7 @@ def sweep(
     hours: Optional[float] = typer.Option(None, "--hours", help="Wall time in hours."),
     fit: Optional[str] = typer.Option(None, "--fit", help="Scaling-law fit YAML (default: the bundled fit)."),
     space: Optional[str] = typer.Option(None, "--space", help="Search-space YAML (default: the bundled space)."),
-    workers: int = typer.Option(0, "--workers", help="Processes for the enumeration (0 = auto: every core for a "
+    workers: int = typer.Option(0, "--workers", min=0, help="Processes for the enumeration (0 = auto: every core for a "
                                 "space of over 2e7 pairs, else 1)."),
     json_output: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
@@ -44,7 +44,7 @@ def sweep(
     from perfmodel.specs.strict import write_text_atomic
 
     frame = run_sweep(cluster, over, _values(values), devices=devices, days=days, hours=hours, fit=fit, space=space,
-                      workers=max(0, workers))
+                      workers=workers)
     if output:
         write_text_atomic(output, frame.to_csv(index=False))
     if plot:
