@@ -38,9 +38,9 @@ def law() -> PlantedLaw:
 
 
 def small_space(**geometry):
-    """A space small enough to enumerate by brute force (h100, 64 devices)."""
+    """A space small enough to enumerate by brute force (h100, 64 devices); GQA only unless `attention` is given."""
     geo = dict(d_model=(2048, 4096), n_layers=(16, 32), n_experts=(0, 16, 64), top_k=(1, 2), granularity=(1.0, 4.0),
-               n_shared_experts=(0,), n_dense_layers=(0,), active_params=(1e8, 1e12))
+               n_shared_experts=(0,), n_dense_layers=(0,), active_params=(1e8, 1e12), attention=("gqa",))
     geo.update(geometry)
     space = load_space().replace_geometry(**geo)
     return space.replace_layout(tp=(1, 2), pp=(1, 2), vpp=(1,), ep=(1, 8, 16), mbs=(1,), dp_flavor=("zero1", "fsdp"),

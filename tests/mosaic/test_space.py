@@ -37,7 +37,10 @@ def test_default_space_expands_to_valid_geometries():
     assert np.all((n_act >= lo) & (n_act <= hi))
     ratio = archs.d_model / archs.n_layers
     assert np.all((ratio >= 32) & (ratio <= 256))
-    assert np.all(archs.n_heads * archs.head_dim == archs.d_model)
+    mla = archs.kv_lora_rank > 0  # the default searches both attentions
+    assert np.any(mla) and np.any(~mla)
+    assert np.all(archs.n_heads[~mla] * archs.head_dim[~mla] == archs.d_model[~mla])
+    assert np.all(archs.n_heads[mla] * archs.v_head_dim[mla] == archs.d_model[mla])
     moe = archs.n_experts > 0
     assert np.all(archs.top_k[moe] < archs.n_experts[moe]) and np.all(archs.top_k[~moe] == 0)
     for i in np.random.default_rng(0).choice(len(geoms), 50, replace=False):
@@ -53,9 +56,11 @@ def test_tp_auto_reaches_the_scale_up_domain_where_the_geometries_allow_it():
         "b200": 8, "gb200_nvl72": 72, "ascend_superpod": 768}
     resolved = resolve_space(load_space(), tp_domain_devices=768, compute_optimal_flops=1e23)
     assert resolved.tp == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-    geoms = geometries(resolved)
-    assert usable_tp(resolved, geoms).tp == (1, 2, 4, 8)  # kv_heads 8: tp must divide the KV heads
-    wide = load_space().replace_geometry(kv_heads=16, d_model=(4096, 8192))
+    assert usable_tp(resolved, geometries(resolved)).tp == (1, 2, 4, 8, 16, 32, 64)  # MLA: d_model/128 K/V heads
+    gqa = resolve_space(load_space().replace_geometry(attention=("gqa",)), tp_domain_devices=768,
+                        compute_optimal_flops=1e23)
+    assert usable_tp(gqa, geometries(gqa)).tp == (1, 2, 4, 8)  # kv_heads 8: tp must divide the KV heads
+    wide = load_space().replace_geometry(kv_heads=16, d_model=(4096, 8192), attention=("gqa",))
     wide_resolved = resolve_space(wide, tp_domain_devices=768, compute_optimal_flops=1e23)
     assert usable_tp(wide_resolved, geometries(wide_resolved)).tp == (1, 2, 4, 8, 16)
 
@@ -183,7 +188,7 @@ def test_mla_geometries_join_the_space_with_their_ranks():
     from perfmodel.specs.architecture import CORE_ARCH_FIELDS
 
     space = load_space().replace_geometry(d_model=(1536, 2048, 4096), n_layers=(16, 32), active_params=(1e7, 1e13))
-    resolved = resolve_space(space, tp_domain_devices=8, compute_optimal_flops=1e23)
+    resolved = resolve_space(space.replace_geometry(attention=("gqa",)), tp_domain_devices=8, compute_optimal_flops=1e23)
     gqa = geometries(resolved).archs
     both = geometries(resolved_mla := resolve_space(space.replace_geometry(attention=("gqa", "mla")), 8, 1e23)).archs
     mla = both.kv_lora_rank > 0
